@@ -1,0 +1,13 @@
+"""collective_loader: one loader per data-parallel replica, delivery over DeviceMesh subgroups."""
+
+from collective_loader.errors import BatchError, ConfigMismatchError, DeliveryError, LeaderError, WireError
+from collective_loader.loader import CollectiveLoader
+
+__all__ = [
+    "BatchError",
+    "CollectiveLoader",
+    "ConfigMismatchError",
+    "DeliveryError",
+    "LeaderError",
+    "WireError",
+]

@@ -1,0 +1,27 @@
+"""Exceptions the loader raises; each names the rank, step or key a user needs to act on."""
+
+from __future__ import annotations
+
+
+class BatchError(ValueError):
+    """A batch the loader cannot deliver: a missing or unknown key, an unencodable value, a
+    sequence length the layout cannot split, a batch over the size cap.
+
+    Raised on the leader and, with the same message, on every rank of every replica.
+    """
+
+
+class WireError(ValueError):
+    """Bytes received that do not decode to a valid batch (corrupt or hostile header or payload)."""
+
+
+class LeaderError(RuntimeError):
+    """The data source raised on a leader; raised on every rank with the original message."""
+
+
+class ConfigMismatchError(ValueError):
+    """Ranks constructed the loader with different arguments; raised on every rank."""
+
+
+class DeliveryError(RuntimeError):
+    """A collective failed or timed out; says which rank was waiting for whom, for which step."""

@@ -1,0 +1,424 @@
+"""``CollectiveLoader``: one leader per data-parallel replica loads; every rank gets what it needs.
+
+Per step the leader takes one batch from its source, agrees with the other replicas' leaders on
+whether every replica has one (so all replicas stop at the same step), and sends one header and
+one payload collective per delivery group (first stage, last stage; middle stages get the header
+only). Every rank runs the transfer on a background thread that works at most ``prefetch`` steps
+ahead of what its training loop has consumed, so delivery overlaps compute, and no rank ever
+waits inside a collective for a peer that is not about to post the matching one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import queue
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
+
+import torch
+import torch.distributed as dist
+
+from collective_loader import transport, wire
+from collective_loader.errors import BatchError, ConfigMismatchError, DeliveryError, LeaderError, WireError
+from collective_loader.layout import MeshLayout
+from collective_loader.routing import Routing
+from collective_loader.sharding import Layout
+from collective_loader.wire import Header, Kind
+
+Delivery = Literal["broadcast", "scatter"]
+Batch = dict[str, Any]
+
+
+@dataclass
+class _Item:
+    """What the transfer thread hands the training loop for one step."""
+
+    kind: Kind
+    batch: Batch = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+class CollectiveLoader:
+    """Deliver each rank of a ``DeviceMesh`` exactly the data it needs, loaded once per replica.
+
+    Args:
+        source: an iterable of batches (mappings of str to tensors, nested mappings and plain
+            values allowed), or a zero-argument callable returning one. Only leaders touch it;
+            a callable is called only on leaders, so other ranks build nothing.
+        mesh: a ``DeviceMesh`` with named dims, in any order, holding every rank of the world.
+        inputs: keys delivered to every rank of the first pipeline stage.
+        labels: keys delivered to every rank of the last pipeline stage.
+        seq_dims: keys split over the shard dims, and along which dim; other keys are copied.
+        layout: ``"zigzag"`` or ``"contiguous"``: how a sequence is split over a shard dim.
+        roles: ``{dim_name: "data" | "pipeline" | "replicate" | "shard"}`` overriding the
+            defaults (see :data:`collective_loader.layout.DEFAULT_ROLES`).
+        delivery: ``"broadcast"`` (one collective, receivers slice their shard) or
+            ``"scatter"`` (each rank receives only its bytes).
+        prefetch: steps the transfer runs ahead of the training loop; default
+            ``max(2, pipeline stages)``.
+        timeout: seconds any rank waits in one collective before raising :class:`DeliveryError`.
+        max_batch_bytes: the largest payload one delivery group may carry; bigger batches raise
+            :class:`BatchError` on every rank, and received headers over the cap are refused.
+
+    Example (every rank)::
+
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+        loader = CollectiveLoader(lambda: DataLoader(ds, batch_size=8), mesh,
+                                  inputs=("input_ids",), labels=("labels",))
+        for batch in loader:
+            if loader.is_first_stage: model(batch["input_ids"])
+            if loader.is_last_stage:  loss(batch["labels"])
+    """
+
+    def __init__(
+        self,
+        source: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Mapping[str, Any]]],
+        mesh: Any,
+        *,
+        inputs: tuple[str, ...] = ("input_ids", "position_ids"),
+        labels: tuple[str, ...] = ("labels",),
+        seq_dims: Mapping[str, int] | None = None,
+        layout: Layout = "zigzag",
+        roles: Mapping[str, str] | None = None,
+        delivery: Delivery = "broadcast",
+        prefetch: int | None = None,
+        timeout: float = 600.0,
+        max_batch_bytes: int = 1 << 32,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("CollectiveLoader needs torch.distributed initialized (init_process_group) first")
+        if mesh.mesh_dim_names is None:
+            raise ValueError("the DeviceMesh needs named dims (mesh_dim_names=...)")
+        ranks = mesh.mesh.flatten().tolist()
+        world = dist.get_world_size()
+        if sorted(ranks) != list(range(world)):
+            raise ValueError(f"the mesh must hold every rank of the world (size {world}); it holds {sorted(ranks)}")
+        if delivery not in ("broadcast", "scatter"):
+            raise ValueError(f"delivery must be 'broadcast' or 'scatter', got {delivery!r}")
+        self.mesh_layout = MeshLayout.build(mesh.mesh_dim_names, tuple(mesh.mesh.shape), ranks, roles)
+        self.place = self.mesh_layout.place(dist.get_rank())
+        shard_dims = tuple(
+            (n, s) for n, s, r in zip(self.mesh_layout.dim_names, self.mesh_layout.shape, self.mesh_layout.roles)
+            if r == "shard"
+        )
+        self.routing = Routing(tuple(inputs), tuple(labels), dict(seq_dims or {}), layout, shard_dims)
+        self.delivery = delivery
+        self.prefetch = max(2, self.place.pp_size) if prefetch is None else int(prefetch)
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        self.timeout = float(timeout)
+        self.max_batch_bytes = int(max_batch_bytes)
+        self._groups = transport.build_groups(self.mesh_layout, self.place, self.timeout)
+        self._check_same_config()
+        self._source = self._build_source(source)
+        self._epoch: _Epoch | None = None
+        self.epoch = 0
+
+    # --- public facts ------------------------------------------------------------------------
+
+    @property
+    def dp_rank(self) -> int:
+        return self.place.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.place.dp_size
+
+    @property
+    def is_leader(self) -> bool:
+        return self.place.is_leader
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.place.is_first_stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.place.is_last_stage
+
+    @property
+    def group_count(self) -> int:
+        """Process groups this loader created (every rank creates the same ones)."""
+        return self._groups.count
+
+    # --- construction checks -----------------------------------------------------------------
+
+    def _config(self) -> str:
+        r = self.routing
+        return (
+            f"mesh=[{self.mesh_layout.describe()}] ranks={list(self.mesh_layout.ranks)} inputs={list(r.inputs)} "
+            f"labels={list(r.labels)} seq_dims={dict(sorted(r.seq_dims.items()))} layout={r.layout} "
+            f"delivery={self.delivery} prefetch={self.prefetch} timeout={self.timeout} "
+            f"max_batch_bytes={self.max_batch_bytes}"
+        )
+
+    def _check_same_config(self) -> None:
+        configs = transport.gather_strings(self._groups.control, self._config())
+        differ = [rank for rank, c in enumerate(configs) if c != configs[0]]
+        if differ:
+            first = differ[0]
+            raise ConfigMismatchError(
+                f"ranks {differ} built CollectiveLoader with other arguments than rank 0.\n"
+                f"  rank 0:    {configs[0]}\n  rank {first}: {configs[first]}"
+            )
+
+    def _build_source(self, source: Any) -> Iterable[Mapping[str, Any]] | None:
+        """Leaders resolve ``source``; every rank learns if any leader failed."""
+        built, kind, message = None, Kind.DATA, ""
+        if self.is_leader:
+            try:
+                if hasattr(source, "__iter__"):
+                    built = source
+                elif callable(source):
+                    built = source()
+                    if not hasattr(built, "__iter__"):
+                        raise TypeError(f"source() returned a {type(built).__qualname__}, which is not iterable")
+                else:
+                    raise TypeError(f"source must be an iterable or a callable, got {type(source).__qualname__}")
+            except Exception as e:  # reported on every rank below
+                kind, message = Kind.SOURCE_ERROR, f"{type(e).__name__}: {e}"
+                cause = e
+        kind, message, origin = transport.agree(self._groups.control, kind, message)
+        if kind == Kind.SOURCE_ERROR:
+            error = LeaderError(f"leader rank {origin} could not build its source: {message}")
+            if origin == self.place.rank:
+                raise error from cause
+            raise error
+        return built
+
+    # --- iteration ---------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Start an epoch. An unfinished previous epoch is closed first (on every rank alike)."""
+        if self._epoch is not None:
+            self._epoch.close()
+        self._epoch = _Epoch(self)
+        self.epoch += 1
+        return self._epoch
+
+    def close(self) -> None:
+        """Finish the transfers already under way and stop the background thread."""
+        if self._epoch is not None:
+            self._epoch.close()
+
+    def __enter__(self) -> "CollectiveLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_LIVE: "weakref.WeakSet[_Epoch]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_epochs() -> None:
+    # A thread left inside a gloo collective at interpreter exit aborts the process.
+    for epoch in list(_LIVE):
+        epoch.close()
+
+
+class _Epoch(Iterator[Batch]):
+    """One pass over the source: a transfer thread plus the credits that bound its lead."""
+
+    def __init__(self, loader: CollectiveLoader) -> None:
+        self.loader = loader
+        self._queue: queue.Queue[_Item] = queue.Queue()
+        self._cond = threading.Condition()
+        self._granted = loader.prefetch  # steps the thread may run; +1 per consumed batch
+        self._done = 0  # steps the thread has run
+        self._closing = False
+        self._finished = False
+        self._device = loader._groups.device
+        place = loader.place
+        target = self._lead if place.is_leader else self._receive
+        self._thread = threading.Thread(target=self._run, args=(target,), name=f"collective_loader-r{place.rank}", daemon=True)
+        _LIVE.add(self)
+        self._thread.start()
+
+    # --- training-loop side ----------------------------------------------------------------
+
+    def __next__(self) -> Batch:
+        if self._finished:
+            raise StopIteration
+        item = self._queue.get()
+        if item.kind == Kind.DATA:
+            with self._cond:
+                self._granted += 1
+                self._cond.notify()
+            if self._device.type == "cuda":
+                _record_stream(item.batch, torch.cuda.current_stream())
+            return item.batch
+        self._finished = True
+        self._thread.join()
+        if item.kind == Kind.END:
+            raise StopIteration
+        assert item.error is not None
+        raise item.error
+
+    def close(self) -> None:
+        """Run the steps already granted (peers run them too), then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(self.loader.timeout + 5.0)
+        self._finished = True
+        _LIVE.discard(self)
+
+    # --- transfer thread -------------------------------------------------------------------
+
+    def _run(self, step_fn: Callable[[int], Kind]) -> None:
+        stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            step = 0
+            try:
+                while True:
+                    with self._cond:
+                        while self._done >= self._granted and not self._closing:
+                            self._cond.wait()
+                        if self._done >= self._granted:
+                            return
+                    kind = step_fn(step)
+                    if stream is not None:
+                        stream.synchronize()  # the batch is complete before the loop sees it
+                    self._done += 1
+                    step += 1
+                    if kind != Kind.DATA:
+                        return
+            except BaseException as e:  # handed to the training loop, raised there
+                self._queue.put(_Item(Kind.SOURCE_ERROR, error=e))
+
+    def _lead(self, step: int) -> Kind:
+        loader, place, groups = self.loader, self.loader.place, self.loader._groups
+        kind, message, cause, parts = Kind.DATA, "", None, {}
+        try:
+            if step == 0:
+                self._source_iter = iter(loader._source)  # type: ignore[arg-type]
+            batch = next(self._source_iter)
+            loader.routing.check(batch)
+            parts = {name: self._pack(ch, batch) for name, ch in groups.channels.items() if name != "middle"}
+        except StopIteration:
+            kind = Kind.END
+        except BatchError as e:
+            kind, message, cause = Kind.BATCH_ERROR, str(e), e
+        except Exception as e:
+            kind, message, cause = Kind.SOURCE_ERROR, f"{type(e).__name__}: {e}", e
+        origin = place.rank
+        if groups.leaders is not None:
+            kind, message, origin = transport.agree(groups.leaders, kind, message)
+        if kind == Kind.DATA:
+            for name, channel in groups.channels.items():
+                self._send(channel, step, parts.get(name))
+            self._queue.put(_Item(Kind.DATA, parts["first"][2]))
+            return kind
+        if kind != Kind.END:
+            dp = loader.mesh_layout.leaders().index(origin)
+            text = f"leader rank {origin} (dp_rank {dp}) failed at step {step}: {message}"
+            error_payload, meta_nbytes = wire.pack({"message": text})
+            for channel in groups.channels.values():
+                channel.send_header(Header(kind, step, error_payload.numel(), meta_nbytes))
+                channel.send_payload(error_payload.to(channel.device))
+            error = _error(kind, text)
+            if origin == place.rank and cause is not None:
+                error.__cause__ = cause
+            self._queue.put(_Item(kind, error=error))
+            return kind
+        for channel in groups.channels.values():
+            channel.send_header(Header(Kind.END, step, 0, 0))
+        self._queue.put(_Item(Kind.END))
+        return kind
+
+    def _pack(self, channel: transport.Channel, batch: Mapping[str, Any]) -> tuple[Header | None, Any, Batch]:
+        """``(header, payload or per-rank parts, leader's own batch)`` for one channel."""
+        loader = self.loader
+        routing, layout = loader.routing, loader.mesh_layout
+        stage = "both" if loader.place.pp_size == 1 else channel.name
+        selected = routing.select(batch, stage)
+        if loader.delivery == "broadcast":
+            buf, meta_nbytes = self._stage(wire.plan(selected), channel)
+            own = routing.piece(wire.unpack(buf, meta_nbytes), loader.place.shard)
+            return Header(Kind.DATA, 0, buf.numel(), meta_nbytes), buf, own
+        by_levels: dict[tuple, tuple[torch.Tensor, int]] = {}
+        for rank in channel.ranks:
+            levels = layout.place(rank).shard
+            if levels not in by_levels:
+                by_levels[levels] = self._stage(wire.plan(routing.piece(selected, levels)), channel)
+        sizes = {(b.numel(), m) for b, m in by_levels.values()}
+        assert len(sizes) == 1, sizes  # equal shapes per shard, so equal sizes
+        nbytes, meta_nbytes = sizes.pop()
+        parts = [by_levels[layout.place(r).shard][0] for r in channel.ranks]
+        own_buf = by_levels[loader.place.shard][0]
+        return Header(Kind.DATA, 0, nbytes, meta_nbytes), parts, wire.unpack(own_buf, meta_nbytes)
+
+    def _stage(self, plan: wire.Plan, channel: transport.Channel) -> tuple[torch.Tensor, int]:
+        """Write a planned payload where the channel's collective reads it."""
+        if plan.nbytes > self.loader.max_batch_bytes:
+            raise BatchError(
+                f"a {channel.name}-stage payload is {plan.nbytes} bytes; max_batch_bytes is {self.loader.max_batch_bytes}"
+            )
+        on_gpu = channel.device.type == "cuda"
+        host = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=on_gpu)
+        wire.write(plan, host)
+        return (host.to(channel.device, non_blocking=True) if on_gpu else host), len(plan.meta)
+
+    def _send(self, channel: transport.Channel, step: int, packed: Any) -> None:
+        if channel.name == "middle":
+            channel.send_header(Header(Kind.DATA, step, 0, 0))
+            return
+        header, payload, _ = packed
+        channel.send_header(Header(Kind.DATA, step, header.payload_nbytes, header.meta_nbytes))
+        if self.loader.delivery == "broadcast":
+            channel.send_payload(payload)
+        else:
+            channel.scatter_payload(payload)
+
+    def _receive(self, step: int) -> Kind:
+        loader = self.loader
+        channel = next(iter(loader._groups.channels.values()))
+        try:
+            header = channel.recv_header(loader.max_batch_bytes)
+            if header.step != step:
+                raise WireError(f"expected step {step} from leader rank {channel.leader}, got step {header.step}")
+            if header.kind == Kind.END:
+                self._queue.put(_Item(Kind.END))
+                return Kind.END
+            if channel.name == "middle" and header.kind == Kind.DATA:
+                self._queue.put(_Item(Kind.DATA, {}))
+                return Kind.DATA
+            scattered = header.kind == Kind.DATA and loader.delivery == "scatter"
+            payload = channel.recv_payload(header.payload_nbytes, scattered)
+        except (RuntimeError, ValueError) as e:
+            if isinstance(e, (WireError, DeliveryError)):
+                raise
+            raise DeliveryError(
+                f"rank {loader.place.rank} ({loader.place.stage} stage, dp_rank {loader.dp_rank}) waited for leader "
+                f"rank {channel.leader} to deliver step {step} and gave up (timeout={loader.timeout}s): {e}"
+            ) from e
+        if header.kind == Kind.DATA:
+            batch = wire.unpack(payload, header.meta_nbytes)
+            if not scattered:
+                batch = loader.routing.piece(batch, loader.place.shard)
+            self._queue.put(_Item(Kind.DATA, batch))
+            return Kind.DATA
+        text = wire.unpack(payload.cpu(), header.meta_nbytes).get("message")
+        if not isinstance(text, str):
+            raise WireError("error message from the leader does not decode")
+        self._queue.put(_Item(header.kind, error=_error(header.kind, text)))
+        return header.kind
+
+
+def _error(kind: Kind, text: str) -> BaseException:
+    return BatchError(text) if kind == Kind.BATCH_ERROR else LeaderError(text)
+
+
+def _record_stream(value: Any, stream: "torch.cuda.Stream") -> None:
+    """Tell the caching allocator the training loop's stream uses tensors made on the side stream."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            value.record_stream(stream)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _record_stream(v, stream)

@@ -1,0 +1,107 @@
+"""Which keys each stage gets and which piece of them each rank keeps.
+
+Pure logic over batches (mappings of str to tensors and plain values); no communication.
+
+* keys in ``inputs`` go to the first pipeline stage, keys in ``labels`` to the last stage (a key
+  may be in both); with one stage every rank gets both, middle stages get nothing;
+* keys in ``seq_dims`` are split along that dim over the shard dims (see
+  :mod:`collective_loader.sharding`); every other key is replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from collective_loader import sharding
+from collective_loader.errors import BatchError
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What goes where. ``shard_dims`` lists ``(name, size)`` of the shard dims, outermost first.
+
+    Example::
+
+        >>> r = Routing(("ids",), ("labels",), {"ids": 1, "labels": 1}, "contiguous", (("cp", 2),))
+        >>> batch = {"ids": torch.arange(8).view(2, 4), "labels": torch.arange(8).view(2, 4)}
+        >>> r.piece(r.select(batch, "first"), [(2, 1)])
+        {'ids': tensor([[2, 3],
+                [6, 7]])}
+    """
+
+    inputs: tuple[str, ...]
+    labels: tuple[str, ...]
+    seq_dims: Mapping[str, int]
+    layout: sharding.Layout
+    shard_dims: tuple[tuple[str, int], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name, keys in (("inputs", self.inputs), ("labels", self.labels)):
+            if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+                raise TypeError(f"{name} must be a tuple of str keys, got {keys!r}")
+        if not self.inputs and not self.labels:
+            raise ValueError("inputs and labels are both empty: nothing would be delivered")
+        unknown = sorted(set(self.seq_dims) - set(self.inputs) - set(self.labels))
+        if unknown:
+            raise ValueError(f"seq_dims names keys {unknown} that are in neither inputs nor labels")
+        for key, dim in self.seq_dims.items():
+            if not isinstance(dim, int) or isinstance(dim, bool):
+                raise TypeError(f"seq_dims[{key!r}] must be an int dim, got {dim!r}")
+        sharding.divisor([], self.layout)  # validates the layout name
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.inputs + self.labels))
+
+    def check(self, batch: Any) -> None:
+        """Raise :class:`BatchError` unless ``batch`` can be delivered whole to every rank."""
+        if not isinstance(batch, Mapping):
+            raise BatchError(f"a batch must be a mapping of str to tensors, got {type(batch).__qualname__}")
+        missing = [k for k in self.keys if k not in batch]
+        if missing:
+            raise BatchError(f"batch is missing keys {missing} (it has {sorted(map(str, batch))})")
+        extra = [k for k in batch if k not in self.keys]
+        if extra:
+            raise BatchError(
+                f"batch has keys {extra} that are in neither inputs={self.inputs} nor labels={self.labels}; "
+                "list each key a stage needs, or drop it in the source"
+            )
+        sizes = [size for _, size in self.shard_dims]
+        if not sizes or all(s == 1 for s in sizes):
+            return
+        need = sharding.divisor([(s, 0) for s in sizes], self.layout)
+        over = " x ".join(f"{n}={s}" for n, s in self.shard_dims)
+        for key, dim in self.seq_dims.items():
+            value = batch[key]
+            if not isinstance(value, torch.Tensor):
+                raise BatchError(f"seq_dims names {key!r}, but the batch holds a {type(value).__qualname__} there")
+            if not -value.dim() <= dim < value.dim():
+                raise BatchError(f"seq_dims[{key!r}] = {dim}, but {key!r} has shape {tuple(value.shape)}")
+            length = value.shape[dim]
+            if length % need:
+                raise BatchError(
+                    f"key {key!r} has length {length} along dim {dim}; the {self.layout} layout over {over} "
+                    f"needs a multiple of {need}"
+                )
+
+    def select(self, batch: Mapping[str, Any], stage: str) -> dict[str, Any]:
+        """The keys a stage (``first``, ``last``, ``both``, ``middle``) receives, in batch order."""
+        wanted = {
+            "first": self.inputs,
+            "last": self.labels,
+            "both": self.keys,
+            "middle": (),
+        }[stage]
+        return {k: v for k, v in batch.items() if k in wanted}
+
+    def piece(self, selected: Mapping[str, Any], levels: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """The part of ``selected`` a rank at shard ``levels`` keeps; other keys pass through."""
+        if not levels or all(size == 1 for size, _ in levels):
+            return dict(selected)
+        return {
+            k: sharding.shard(v, self.seq_dims[k], levels, self.layout) if k in self.seq_dims else v
+            for k, v in selected.items()
+        }
