@@ -96,3 +96,11 @@ class _Reiterable:
 
     def __iter__(self):
         return self._make()
+
+
+def dp_rank_of(rank: int, dims: tuple[str, ...], shape: tuple[int, ...]) -> int:
+    """The dp_rank of ``rank`` on a mesh of ranks ``0..n-1`` in row-major order."""
+    n = 1
+    for s in shape:
+        n *= s
+    return MeshLayout.build(dims, shape, range(n)).place(rank).dp_rank
