@@ -1,6 +1,7 @@
 """collective_loader: one loader per data-parallel replica, delivery over DeviceMesh subgroups."""
 
 from collective_loader.errors import BatchError, ConfigMismatchError, DeliveryError, LeaderError, WireError
+from collective_loader.layout import mesh_place
 from collective_loader.loader import CollectiveLoader
 
 __all__ = [
@@ -10,4 +11,5 @@ __all__ = [
     "DeliveryError",
     "LeaderError",
     "WireError",
+    "mesh_place",
 ]

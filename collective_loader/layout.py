@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 Role = Literal["data", "pipeline", "replicate", "shard"]
 ROLES: tuple[Role, ...] = ("data", "pipeline", "replicate", "shard")
@@ -163,6 +163,13 @@ class MeshLayout:
             raise ValueError(f"at most one pipeline dim is supported, got {pipes}")
         return cls(dim_names, shape, tuple(resolved), ranks)
 
+    @classmethod
+    def from_mesh(cls, mesh: Any, roles: Mapping[str, str] | None = None) -> "MeshLayout":
+        """The layout of a ``torch.distributed.device_mesh.DeviceMesh`` (needs named dims)."""
+        if mesh.mesh_dim_names is None:
+            raise ValueError("the DeviceMesh needs named dims (mesh_dim_names=...)")
+        return cls.build(mesh.mesh_dim_names, tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist(), roles)
+
     # --- coordinates -------------------------------------------------------------------------
 
     @functools.cached_property
@@ -268,3 +275,13 @@ def group_count(dp: int, pp: int) -> int:
     """
     per_replica = 1 + (pp > 1) + (pp > 2)
     return 1 + (dp > 1) + dp * per_replica
+
+
+def mesh_place(mesh: Any, rank: int, roles: Mapping[str, str] | None = None) -> Place:
+    """Where ``rank`` sits in ``mesh``: its dp_rank, dp_size, leader and stage.
+
+    Handy for a source that must know its replica before the loader exists, e.g.
+    ``place = mesh_place(mesh, dist.get_rank())`` then ``DistributedSampler(ds, place.dp_size,
+    place.dp_rank)``.
+    """
+    return MeshLayout.from_mesh(mesh, roles).place(rank)

@@ -90,15 +90,12 @@ class CollectiveLoader:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("CollectiveLoader needs torch.distributed initialized (init_process_group) first")
-        if mesh.mesh_dim_names is None:
-            raise ValueError("the DeviceMesh needs named dims (mesh_dim_names=...)")
-        ranks = mesh.mesh.flatten().tolist()
-        world = dist.get_world_size()
-        if sorted(ranks) != list(range(world)):
-            raise ValueError(f"the mesh must hold every rank of the world (size {world}); it holds {sorted(ranks)}")
         if delivery not in ("broadcast", "scatter"):
             raise ValueError(f"delivery must be 'broadcast' or 'scatter', got {delivery!r}")
-        self.mesh_layout = MeshLayout.build(mesh.mesh_dim_names, tuple(mesh.mesh.shape), ranks, roles)
+        self.mesh_layout = MeshLayout.from_mesh(mesh, roles)
+        world = dist.get_world_size()
+        if sorted(self.mesh_layout.ranks) != list(range(world)):
+            raise ValueError(f"the mesh must hold every rank of the world (size {world}); it holds {sorted(self.mesh_layout.ranks)}")
         self.place = self.mesh_layout.place(dist.get_rank())
         shard_dims = tuple(
             (n, s) for n, s, r in zip(self.mesh_layout.dim_names, self.mesh_layout.shape, self.mesh_layout.roles)

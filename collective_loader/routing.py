@@ -39,9 +39,11 @@ class Routing:
     shard_dims: tuple[tuple[str, int], ...] = field(default=())
 
     def __post_init__(self) -> None:
-        for name, keys in (("inputs", self.inputs), ("labels", self.labels)):
+        for name in ("inputs", "labels"):
+            keys = getattr(self, name)
             if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
-                raise TypeError(f"{name} must be a tuple of str keys, got {keys!r}")
+                raise TypeError(f"{name} must be a sequence of str keys, got {keys!r}")
+            object.__setattr__(self, name, tuple(keys))
         if not self.inputs and not self.labels:
             raise ValueError("inputs and labels are both empty: nothing would be delivered")
         unknown = sorted(set(self.seq_dims) - set(self.inputs) - set(self.labels))

@@ -39,6 +39,7 @@ ALIGN = 64
 MAX_DEPTH = 16
 MAX_DIMS = 16
 MAX_META_BYTES = 1 << 20
+MAX_DIM_SIZE = 1 << 48
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -78,7 +79,7 @@ class Header:
     @classmethod
     def decode(cls, words: torch.Tensor, max_payload_bytes: int) -> "Header":
         """Check and decode a received header; raise :class:`WireError` if anything is off."""
-        if words.dtype != torch.int64 or words.numel() != HEADER_WORDS:
+        if words.dtype != torch.int64 or words.dim() != 1 or words.numel() != HEADER_WORDS:
             raise WireError(f"header must be {HEADER_WORDS} int64 words, got {words.numel()} {words.dtype}")
         magic, version, kind, step, payload, meta = (int(w) for w in words.tolist()[:6])
         if magic != MAGIC or version != VERSION:
@@ -136,8 +137,11 @@ def plan(batch: Mapping[str, Any]) -> Plan:
 
     def node(value: Any, path: str, depth: int) -> Any:
         if isinstance(value, torch.Tensor):
-            if value.layout != torch.strided:
-                raise BatchError(f"tensor at {path!r} has layout {value.layout}; only dense tensors are delivered")
+            if value.is_nested or value.layout != torch.strided:
+                kind = "nested" if value.is_nested else str(value.layout)
+                raise BatchError(f"tensor at {path!r} is {kind}; only dense tensors are delivered")
+            if value.device.type == "meta":
+                raise BatchError(f"tensor at {path!r} is on the meta device and has no data to deliver")
             name = _NAMES.get(value.dtype)
             if name is None:
                 raise BatchError(f"tensor at {path!r} has dtype {value.dtype}, which is not delivered")
@@ -175,7 +179,9 @@ def write(plan_: Plan, out: torch.Tensor) -> None:
     meta = torch.frombuffer(bytearray(plan_.meta), dtype=torch.uint8) if plan_.meta else torch.empty(0, dtype=torch.uint8)
     out[: len(plan_.meta)].copy_(meta, non_blocking=True)
     for offset, tensor in plan_.tensors:
-        flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
+        if tensor.numel() == 0:  # nothing to copy; an empty view may carry any stride
+            continue
+        flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
         out[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
 
 
@@ -192,8 +198,10 @@ def pack(batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
 
 def unpack(payload: torch.Tensor, meta_nbytes: int) -> dict[str, Any]:
     """Decode a payload; tensors are views into ``payload``. Raises :class:`WireError`."""
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise WireError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}")
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+        raise WireError(f"payload must be a contiguous 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}")
+    if payload.storage_offset() % ALIGN:
+        raise WireError(f"payload starts at byte {payload.storage_offset()} of its storage, not on a {ALIGN}-byte boundary")
     size = payload.numel()
     if not 0 <= meta_nbytes <= min(size, MAX_META_BYTES):
         raise WireError(f"meta size {meta_nbytes} does not fit a payload of {size} bytes")
@@ -240,7 +248,7 @@ def unpack(payload: torch.Tensor, meta_nbytes: int) -> dict[str, Any]:
         if (
             not isinstance(shape, list)
             or len(shape) > MAX_DIMS
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_DIM_SIZE for s in shape)
         ):
             raise WireError(f"bad shape {str(shape)[:80]} in batch description")
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset % ALIGN:
@@ -249,7 +257,10 @@ def unpack(payload: torch.Tensor, meta_nbytes: int) -> dict[str, Any]:
         nbytes = math.prod(shape) * _ITEMSIZE[dtype]
         if offset + nbytes > size:
             raise WireError(f"tensor of shape {shape} at offset {offset} overruns the {size}-byte payload")
-        return payload[offset : offset + nbytes].view(dtype).view(shape)
+        try:
+            return payload[offset : offset + nbytes].view(dtype).view(shape)
+        except (RuntimeError, TypeError) as e:  # e.g. a storage offset torch cannot view as dtype
+            raise WireError(f"tensor of shape {shape} at offset {offset} cannot be viewed: {e}") from None
 
     result = node(tree, 0)
     if not isinstance(result, dict):

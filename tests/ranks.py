@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from collective_loader import CollectiveLoader
+from collective_loader import CollectiveLoader, mesh_place
 from collective_loader.layout import MeshLayout
 
 KEYS = dict(
@@ -45,11 +45,6 @@ def make_mesh(dims: tuple[str, ...], shape: tuple[int, ...]):
     return init_device_mesh("cpu", shape, mesh_dim_names=dims)
 
 
-def my_dp_rank(mesh, roles=None) -> int:
-    layout = MeshLayout.build(mesh.mesh_dim_names, tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist(), roles)
-    return layout.place(dist.get_rank()).dp_rank
-
-
 def deliver(
     dims: tuple[str, ...],
     shape: tuple[int, ...],
@@ -62,8 +57,8 @@ def deliver(
 ) -> dict[str, Any]:
     """Run whole epochs and return what this rank received, with its place in the mesh."""
     mesh = make_mesh(dims, shape)
-    dp_rank = my_dp_rank(mesh, options.get("roles"))
-    dp_size = MeshLayout.build(dims, shape, range(len(mesh.mesh.flatten())), options.get("roles")).dp_size
+    place = mesh_place(mesh, dist.get_rank(), options.get("roles"))
+    dp_rank, dp_size = place.dp_rank, place.dp_size
     touched = []
 
     def source():

@@ -9,14 +9,14 @@ import pytest
 import torch.distributed as dist
 
 import ranks
-from collective_loader import BatchError, CollectiveLoader, ConfigMismatchError, LeaderError
+from collective_loader import BatchError, CollectiveLoader, ConfigMismatchError, LeaderError, mesh_place
 
 MESH = (("pp", "dp", "cp"), (3, 2, 2))  # 12 ranks: middle stages, shard dim, two replicas
 
 
 def _loader(source, **kw):
     mesh = ranks.make_mesh(*MESH)
-    dp = ranks.my_dp_rank(mesh)
+    dp = mesh_place(mesh, dist.get_rank()).dp_rank
     return CollectiveLoader(lambda: source(dp), mesh, **{**ranks.KEYS, **kw}), dp
 
 

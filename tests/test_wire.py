@@ -109,18 +109,10 @@ def tensors(draw):
     elif variant == "step" and t.dim() >= 1:
         big = torch.zeros((2 * t.shape[0],) + tuple(t.shape[1:]), dtype=dtype)
         big[::2] = t
-        view = big[::2]  # same values as t, strided along dim 0
-        if not _hits_flatten_bug(view):  # that bug has its own xfail test below
-            t = view
+        t = big[::2]  # same values as t, strided along dim 0
     elif variant == "grad" and (dtype.is_floating_point or dtype.is_complex) and dtype.itemsize > 1:
         t = t.clone().requires_grad_(True)
     return t
-
-
-def _hits_flatten_bug(t: torch.Tensor) -> bool:
-    """True for the tensors ``wire.write`` fails on (see test_flattenable_strided_tensor_roundtrip):
-    ``reshape(-1)`` is then a view with a stride other than 1, and ``view(uint8)`` refuses it."""
-    return t.element_size() > 1 and t.detach().reshape(-1).stride(0) != 1
 
 
 floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([-0.0, 0.0, math.inf, -math.inf, math.nan])
@@ -218,13 +210,6 @@ def test_roundtrip_non_contiguous_views():
 _BASE = torch.arange(24, dtype=torch.float32).reshape(4, 6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="BUG: wire.write flattens with reshape(-1), which returns a strided VIEW (not a copy) when the "
-    "tensor is flattenable with a stride != 1 (1-D slices/columns, x[:, ::2], 1-D expand); "
-    ".view(torch.uint8) then raises 'self.stride(-1) must be 1 to view Float as Byte' for itemsize > 1",
-)
 @pytest.mark.parametrize(
     "t",
     [
@@ -238,7 +223,8 @@ _BASE = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     ids=["column", "1d-step", "cols-step", "1d-expand", "n1-step", "empty-1d-step"],
 )
 def test_flattenable_strided_tensor_roundtrip(t):
-    assert _hits_flatten_bug(t)
+    # reshape(-1) of these is a view with a stride other than 1, which view(uint8) refuses
+    assert t.element_size() > 1 and t.reshape(-1).stride(0) != 1
     out = roundtrip({"x": t})["x"]
     assert torch.equal(out, t)
 
@@ -407,8 +393,6 @@ def test_truncated_meta_raises(keep):
         wire.unpack(buf, keep % meta_nbytes)
 
 
-# Ints stay within +-2**62 here: a 0 dim next to one >= 2**63 is a known bug with its own xfail
-# test (test_zero_numel_shape_with_dim_over_int64_raises_wire_error).
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**62), 2**62) | st.floats() | st.text(max_size=5),
     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(["T", "s", "o", "M", "V", "x"]), c, max_size=3),
@@ -562,12 +546,6 @@ def test_zero_numel_huge_dims_are_views():
     assert tuple(out.shape) == (0, 2**40, 2**40) and out.numel() == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="BUG: unpack passes shape entries >= 2**63 to Tensor.view when another dim is 0 (numel 0 "
-    "passes the overrun check); torch raises TypeError 'Overflow when unpacking long long', not WireError",
-)
 def test_zero_numel_shape_with_dim_over_int64_raises_wire_error():
     buf, meta_nbytes = payload_with_meta(T(shape=(0, 2**63)), 64)
     with pytest.raises(WireError):
@@ -698,12 +676,6 @@ def test_oversized_meta_rejected():
         wire.plan({"s": "x" * (wire.MAX_META_BYTES + 1)})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="BUG: plan() accepts a strided-layout nested tensor (layout == torch.strided) and then calls "
-    ".shape, which raises RuntimeError 'NestedTensorImpl doesn't support sizes' instead of BatchError",
-)
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_nested_tensor_rejected_with_batch_error():
     nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
@@ -717,12 +689,6 @@ def test_jagged_nested_tensor_rejected():
         wire.pack({"nt": nt})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="BUG: plan() accepts a tensor on the 'meta' device (no data); write() then raises "
-    "NotImplementedError 'Cannot copy out of meta tensor' instead of a BatchError naming the key",
-)
 def test_meta_device_tensor_rejected_with_batch_error():
     with pytest.raises(BatchError, match="m"):
         wire.pack({"m": torch.empty(3, device="meta")})

@@ -1,0 +1,18 @@
+"""``python -m collective_loader demo [options]``; ``--help`` lists them."""
+
+import sys
+
+from collective_loader import demo
+
+COMMANDS = {"demo": demo.main}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: python -m collective_loader {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)
+        return 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
