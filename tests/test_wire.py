@@ -31,6 +31,8 @@ DTYPES = list(wire._DTYPES.values())
 
 def raw(t: torch.Tensor) -> bytes:
     """The bytes of ``t``'s values in row-major order (0-dim and non-contiguous tensors included)."""
+    if t.numel() == 0:
+        return b""
     flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     return bytes(flat.view(torch.uint8).numpy())
 
