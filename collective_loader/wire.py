@@ -179,10 +179,9 @@ def write(plan_: Plan, out: torch.Tensor) -> None:
     meta = torch.frombuffer(bytearray(plan_.meta), dtype=torch.uint8) if plan_.meta else torch.empty(0, dtype=torch.uint8)
     out[: len(plan_.meta)].copy_(meta, non_blocking=True)
     for offset, tensor in plan_.tensors:
-        if tensor.numel() == 0:  # nothing to copy; an empty view may carry any stride
-            continue
-        flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-        out[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
+        # copy into a typed view of the destination: any strides, conj/neg views and devices work
+        nbytes = tensor.numel() * tensor.element_size()
+        out[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach(), non_blocking=True)
 
 
 def pack(batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
