@@ -11,6 +11,7 @@ import math
 import pytest
 
 import ranks
+from collective_loader.layout import MeshLayout, group_count
 from checks import verify
 
 SEQ = 16  # divisible by every layout below (zigzag over cp=2 x sp=2 needs 8)
@@ -43,6 +44,8 @@ def _run(worlds, dims, shape, layout, delivery, **kw):
         layout=layout, delivery=delivery, timeout=120, **kw,
     )
     verify(records, n_samples=n_samples, batch_size=batch_size, seq_len=SEQ, layout=layout, epochs=kw.get("epochs", 1))
+    mesh = MeshLayout.build(dims, shape, range(math.prod(shape)), kw.get("roles"))
+    assert {r["group_count"] for r in records} == {group_count(mesh.dp_size, mesh.pp_size)}
     return records
 
 
