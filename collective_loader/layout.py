@@ -45,16 +45,21 @@ DEFAULT_ROLES: dict[str, Role] = {
 
 @dataclass(frozen=True)
 class ReplicaGroups:
-    """The delivery groups of one replica (sorted global ranks, leader included)."""
+    """The groups of one replica (sorted global ranks, leader included).
+
+    ``ranks`` is the whole replica (used to share the loader's state at checkpoint time);
+    ``first``, ``last`` and ``middle`` are the delivery groups.
+    """
 
     dp_rank: int
     leader: int
+    ranks: tuple[int, ...]
     first: tuple[int, ...]
     last: tuple[int, ...] | None
     middle: tuple[int, ...] | None
 
     def all(self) -> list[tuple[str, tuple[int, ...]]]:
-        """``(name, ranks)`` of the groups that exist, in the order they are created."""
+        """``(name, ranks)`` of the delivery groups that exist, in the order they are created."""
         named = [("first", self.first), ("last", self.last), ("middle", self.middle)]
         return [(name, ranks) for name, ranks in named if ranks is not None]
 
@@ -247,6 +252,7 @@ class MeshLayout:
             ReplicaGroups(
                 dp_rank=dp,
                 leader=leaders[dp],
+                ranks=tuple(sorted(members["first"] | members["last"] | members["middle"])),
                 first=tuple(sorted(members["first"])),
                 last=tuple(sorted(members["last"] | {leaders[dp]})) if pp > 1 else None,
                 middle=tuple(sorted(members["middle"] | {leaders[dp]})) if pp > 2 else None,
@@ -267,13 +273,14 @@ def group_count(dp: int, pp: int) -> int:
     """Process groups one loader creates on a mesh with ``dp`` replicas and ``pp`` stages.
 
     One control group over the whole mesh, one group of the leaders when ``dp > 1``, and per
-    replica one group per destination (first stage, last stage, middle stages). On NCCL every
-    delivery group gets a gloo twin for its headers, which this count leaves out.
+    replica one group of the whole replica (state at checkpoint time) and one per destination
+    (first stage, last stage, middle stages). On NCCL the first- and last-stage groups get a
+    gloo twin for their headers, which this count leaves out.
 
     >>> group_count(dp=128, pp=16)
-    386
+    514
     """
-    per_replica = 1 + (pp > 1) + (pp > 2)
+    per_replica = 2 + (pp > 1) + (pp > 2)
     return 1 + (dp > 1) + dp * per_replica
 
 

@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import queue
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
@@ -39,6 +40,7 @@ class _Item:
     kind: Kind
     batch: Batch = field(default_factory=dict)
     error: BaseException | None = None
+    source_state: Any = None  # leader only: the source's state right after this batch
 
 
 class CollectiveLoader:
@@ -112,7 +114,8 @@ class CollectiveLoader:
         self._check_same_config()
         self._source = self._build_source(source)
         self._epoch: _Epoch | None = None
-        self.epoch = 0
+        self._resume: dict[str, Any] | None = None
+        self.epoch = 0  # epochs started
 
     # --- public facts ------------------------------------------------------------------------
 
@@ -189,12 +192,74 @@ class CollectiveLoader:
     # --- iteration ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
-        """Start an epoch. An unfinished previous epoch is closed first (on every rank alike)."""
+        """Start an epoch (or resume the one a loaded state was saved in).
+
+        An unfinished previous epoch is closed first, on every rank alike.
+        """
         if self._epoch is not None:
             self._epoch.close()
-        self._epoch = _Epoch(self)
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            self.epoch = resume["epoch"]
+        self._epoch = _Epoch(self, resume)
         self.epoch += 1
         return self._epoch
+
+    # --- state -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training loop is: epoch, batches it consumed, and the leader's source state.
+
+        Collective over each replica: call it on every rank at the same step (as a checkpoint
+        does). Every rank of a replica returns the same dict. Batches that were prefetched but
+        not consumed are not counted: after a resume they are delivered again.
+
+        The source state is the leader's ``source.state_dict()`` taken right after the last
+        consumed batch, when the source has one (a ``StatefulDataLoader``,
+        :class:`collective_loader.streaming.StreamingSource`); otherwise ``None``, and a resume
+        skips the consumed batches.
+        """
+        epoch = self._epoch
+        state = {
+            "format": 1,
+            "dp_size": self.dp_size,
+            "epoch": max(self.epoch - 1, 0),
+            "steps": epoch.steps if epoch is not None else 0,
+            "source": epoch.source_state if epoch is not None else None,
+            "source_elastic": bool(getattr(self._source, "supports_elastic_resume", False)),
+        }
+        channel = self._groups.replica
+        if self.is_leader:
+            payload, meta_nbytes = wire.pack(state)
+            channel.send_header(Header(Kind.DATA, state["steps"], payload.numel(), meta_nbytes))
+            channel.send_payload(payload)
+            return state
+        header = channel.recv_header(self.max_batch_bytes)
+        leader_state = wire.unpack(channel.recv_payload(header.payload_nbytes, scattered=False), header.meta_nbytes)
+        if leader_state["steps"] != state["steps"] or leader_state["epoch"] != state["epoch"]:
+            raise RuntimeError(
+                f"rank {self.place.rank} asked for the loader state at epoch {state['epoch']} step {state['steps']}, "
+                f"but its leader rank {self.place.leader} at epoch {leader_state['epoch']} step "
+                f"{leader_state['steps']}: call state_dict() on every rank after the same step"
+            )
+        return leader_state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict` at the next ``iter(loader)``; call on every rank.
+
+        Raises ``ValueError`` for a state this loader cannot resume: another format, or another
+        DP degree with a source that cannot re-partition (only sources that declare
+        ``supports_elastic_resume``, such as ``StreamingSource`` with the same global batch, can).
+        """
+        if not isinstance(state, Mapping) or state.get("format") != 1:
+            raise ValueError(f"not a CollectiveLoader state (format 1): {str(state)[:200]}")
+        if state["dp_size"] != self.dp_size and not state["source_elastic"]:
+            raise ValueError(
+                f"the state was saved with {state['dp_size']} data-parallel replicas and this loader has "
+                f"{self.dp_size}; its source cannot re-partition consumed data over another DP degree "
+                "(a StreamingSource with the same global batch size can)"
+            )
+        self._resume = dict(state)
 
     def close(self) -> None:
         """Finish the transfers already under way and stop the background thread."""
@@ -221,8 +286,11 @@ def _close_live_epochs() -> None:
 class _Epoch(Iterator[Batch]):
     """One pass over the source: a transfer thread plus the credits that bound its lead."""
 
-    def __init__(self, loader: CollectiveLoader) -> None:
+    def __init__(self, loader: CollectiveLoader, resume: Mapping[str, Any] | None) -> None:
         self.loader = loader
+        self._resume = resume
+        self.steps = resume["steps"] if resume is not None else 0  # consumed, resumed ones included
+        self.source_state = resume["source"] if resume is not None else None
         self._queue: queue.Queue[_Item] = queue.Queue()
         self._cond = threading.Condition()
         self._granted = loader.prefetch  # steps the thread may run; +1 per consumed batch
@@ -243,6 +311,8 @@ class _Epoch(Iterator[Batch]):
             raise StopIteration
         item = self._queue.get()
         if item.kind == Kind.DATA:
+            self.steps += 1
+            self.source_state = item.source_state
             with self._cond:
                 self._granted += 1
                 self._cond.notify()
@@ -290,11 +360,12 @@ class _Epoch(Iterator[Batch]):
 
     def _lead(self, step: int) -> Kind:
         loader, place, groups = self.loader, self.loader.place, self.loader._groups
-        kind, message, cause, parts = Kind.DATA, "", None, {}
+        kind, message, cause, parts, source_state = Kind.DATA, "", None, {}, None
         try:
             if step == 0:
-                self._source_iter = iter(loader._source)  # type: ignore[arg-type]
+                self._source_iter = self._start_source()
             batch = next(self._source_iter)
+            source_state = loader._source.state_dict() if hasattr(loader._source, "state_dict") else None
             loader.routing.check(batch)
             parts = {name: self._pack(ch, batch) for name, ch in groups.channels.items() if name != "middle"}
         except StopIteration:
@@ -309,7 +380,7 @@ class _Epoch(Iterator[Batch]):
         if kind == Kind.DATA:
             for name, channel in groups.channels.items():
                 self._send(channel, step, parts.get(name))
-            self._queue.put(_Item(Kind.DATA, parts["first"][2]))
+            self._queue.put(_Item(Kind.DATA, parts["first"][2], source_state=source_state))
             return kind
         if kind != Kind.END:
             dp = loader.mesh_layout.leaders().index(origin)
@@ -327,6 +398,23 @@ class _Epoch(Iterator[Batch]):
             channel.send_header(Header(Kind.END, step, 0, 0))
         self._queue.put(_Item(Kind.END))
         return kind
+
+    def _start_source(self) -> Iterator[Mapping[str, Any]]:
+        """``iter(source)``, resumed where a loaded state says."""
+        source = self.loader._source
+        resume = self._resume
+        if resume is not None and resume["source"] is not None and hasattr(source, "load_state_dict"):
+            source.load_state_dict(resume["source"])
+            return iter(source)  # type: ignore[arg-type]
+        it = iter(source)  # type: ignore[arg-type]
+        if resume is not None and resume["steps"]:
+            warnings.warn(
+                f"the source has no state_dict/load_state_dict: resuming by skipping {resume['steps']} batches",
+                stacklevel=2,
+            )
+            for _ in range(resume["steps"]):
+                next(it)
+        return it
 
     def _pack(self, channel: transport.Channel, batch: Mapping[str, Any]) -> tuple[Header | None, Any, Batch]:
         """``(header, payload or per-rank parts, leader's own batch)`` for one channel."""

@@ -81,6 +81,7 @@ class Groups:
     control: dist.ProcessGroup  # gloo, every mesh rank
     leaders: dist.ProcessGroup | None  # gloo, the replicas' leaders (dp > 1, leaders only)
     channels: dict[str, Channel]  # this rank's delivery groups by name (first / last / middle)
+    replica: Channel  # gloo, this rank's whole replica: the leader shares the loader's state
     device: torch.device  # where delivered tensors land
     count: int  # groups created by every rank
 
@@ -101,7 +102,11 @@ def build_groups(layout: MeshLayout, place: Place, timeout: float) -> Groups:
     leader_ranks = layout.leaders()
     leaders = make(sorted(leader_ranks), "gloo") if len(leader_ranks) > 1 else None
     channels: dict[str, Channel] = {}
+    mine: Channel | None = None
     for replica in layout.replica_groups():
+        group = make(replica.ranks, "gloo")
+        if group is not None:
+            mine = Channel("replica", replica.ranks, replica.leader, group, group, torch.device("cpu"))
         for name, ranks in replica.all():
             header = make(ranks, "gloo")
             payload = make(ranks, backend) if on_gpu and name != "middle" else header
@@ -110,8 +115,8 @@ def build_groups(layout: MeshLayout, place: Place, timeout: float) -> Groups:
                 # middle stages only ever get headers and error messages: keep them on the CPU
                 where = torch.device("cpu") if name == "middle" else device
                 channels[name] = Channel(name, ranks, replica.leader, header, payload, where)
-    assert control is not None
-    return Groups(control, leaders, channels, device, count)
+    assert control is not None and mine is not None
+    return Groups(control, leaders, channels, mine, device, count)
 
 
 # --- control messages -------------------------------------------------------------------------
