@@ -1,42 +1,217 @@
-"""``python -m collective_loader demo``: deliver one epoch on a 4-D-capable mesh and check it.
+"""``python -m collective_loader demo``: one epoch of a StreamingDataset on a 4-D-capable mesh.
 
-Every replica's leader loads synthetic token samples (each carrying its id); every rank records
-what it received; rank 0 prints each rank's role and first batch, the bytes moved, and the
-verdict of the invariant checks (see :mod:`collective_loader.invariants`). Exit code 1 if any
-check fails.
+Writes a small tokenized MDS dataset (or reads ``--data DIR``), starts a local gloo world (or runs
+under torchrun), and delivers one epoch through :class:`StreamingSource` + ``CollectiveLoader``.
+Rank 0 then prints every rank's role and first batch, samples per replica, the collectives and
+bytes moved, and the verdict of the invariant checks (:mod:`collective_loader.invariants`).
+Last, it runs the seed issue's naive set-up on the same mesh and data (every rank builds its own
+StreamingDataset with ``replication = tp * cp``) and prints, side by side, the share of steps
+whose last-stage labels do not belong to the first stage's inputs. Exit code 1 if a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
+import os
+import shutil
+import tempfile
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader
 
 from collective_loader import invariants, launch
-from collective_loader.layout import mesh_place
+from collective_loader.layout import MeshLayout, group_count
 from collective_loader.loader import CollectiveLoader
+from collective_loader.routing import Routing
+from collective_loader.streaming import StreamingSource, lm_collate
 
 INPUTS = ("input_ids", "position_ids", "sample_id")
 LABELS = ("labels", "sample_id")
 SEQ_DIMS = {"input_ids": 1, "position_ids": 1, "labels": 1}
 VOCAB = 32000
+SHUFFLE_SEED = 1234
 
 
 @dataclass(frozen=True)
 class DemoArgs:
     dims: tuple[str, ...]
     shape: tuple[int, ...]
+    data: str
     samples: int
     batch_size: int
     seq_len: int
     layout: str
     delivery: str
+    num_workers: int
+
+
+# --- the data ---------------------------------------------------------------------------------
+
+
+def tokens(sample_id: int, seq_len: int) -> np.ndarray:
+    """The ``seq_len + 1`` tokens of one synthetic sample: a function of its id."""
+    return ((sample_id * 7919 + np.arange(seq_len + 1) * 31) % VOCAB).astype(np.int32)
+
+
+def write_dataset(out: str, samples: int, seq_len: int) -> None:
+    """A tokenized MDS dataset: columns ``tokens`` (int32, seq_len + 1) and ``id``."""
+    from streaming import MDSWriter
+
+    with MDSWriter(out=out, columns={"tokens": "ndarray:int32", "id": "int"}, size_limit=1 << 16) as writer:
+        for i in range(samples):
+            writer.write({"tokens": tokens(i, seq_len), "id": i})
+
+
+def expected(ids: list[int], seq_len: int) -> dict[str, torch.Tensor]:
+    """The batch the leader must have built from these samples."""
+    return lm_collate([{"tokens": tokens(i, seq_len), "id": i} for i in ids])
+
+
+# --- one rank ---------------------------------------------------------------------------------
+
+
+def rank_main(a: DemoArgs) -> int:
+    if not a.data:  # under torchrun: one copy of the dataset per node, written by local rank 0
+        out = os.path.join(tempfile.gettempdir(), f"collective_loader_demo_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            shutil.rmtree(out, ignore_errors=True)
+            write_dataset(out, a.samples, a.seq_len)
+        dist.barrier()
+        try:
+            return rank_main(replace(a, data=out))
+        finally:
+            dist.barrier()
+            if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+                shutil.rmtree(out, ignore_errors=True)
+    mesh = init_device_mesh("cpu", a.shape, mesh_dim_names=a.dims)
+    me = dist.get_rank()
+    start = time.perf_counter()
+    source = StreamingSource(
+        mesh, local=a.data, batch_size=a.batch_size, shuffle=True, shuffle_seed=SHUFFLE_SEED,
+        num_workers=a.num_workers, clean_stale=True,
+    )
+    loader = CollectiveLoader(
+        source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, layout=a.layout, delivery=a.delivery
+    )
+    steps = []
+    for batch in loader:
+        steps.append(batch)
+        if me == 0 and len(steps) % 8 == 0:
+            print(f"  step {len(steps)}: {time.perf_counter() - start:.1f}s", flush=True)
+    seconds = time.perf_counter() - start
+    stats = loader.stats()
+    loader.close()
+    place, layout, routing, dp_size = loader.place, loader.mesh_layout, loader.routing, loader.dp_size
+    del loader, source  # frees the leaders' dataset: the naive run below reuses its directory
+    gc.collect()
+    record = invariants.RankRecord(place.rank, place.dp_rank, place.stage, place.shard, steps)
+    ours = (record, place.coords, place.is_leader, stats, seconds)
+    naive = naive_ids(a, layout)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (ours, naive))  # the demo's own bookkeeping, not the data path
+    if me != 0:
+        return 0
+    return report(a, layout, routing, dp_size, [g[0] for g in gathered], [g[1] for g in gathered])
+
+
+def naive_ids(a: DemoArgs, layout: MeshLayout) -> list[list[int]]:
+    """The seed's set-up: every rank builds StreamingDataset with replication = tp * cp."""
+    from streaming import StreamingDataset
+
+    replication = math.prod(s for s, r in zip(layout.shape, layout.roles) if r in ("replicate", "shard"))
+    dataset = StreamingDataset(
+        local=a.data, batch_size=a.batch_size, shuffle=True, shuffle_seed=SHUFFLE_SEED, replication=replication
+    )
+    ids = [b["sample_id"].tolist() for b in DataLoader(dataset, batch_size=a.batch_size, collate_fn=lm_collate)]
+    del dataset
+    return ids
+
+
+# --- the report (rank 0) ----------------------------------------------------------------------
+
+
+def _describe(batch: dict[str, Any]) -> str:
+    if not batch:
+        return "{} (nothing: middle stage)"
+    return " ".join(f"{k}={v.tolist()}" if k == "sample_id" else f"{k}{list(v.shape)}" for k, v in batch.items())
+
+
+def label_mismatch(stage_of: dict[int, str], dp_of: dict[int, int], ids: dict[int, list]) -> tuple[int, int]:
+    """(mismatched, total) (replica, last-stage rank, step) triples: labels from other samples."""
+    bad = total = 0
+    for rank, stage in stage_of.items():
+        if stage != "last":
+            continue
+        first = next(r for r, s in stage_of.items() if s == "first" and dp_of[r] == dp_of[rank])
+        for got, want in zip(ids[rank], ids[first]):
+            total += 1
+            bad += got != want
+    return bad, total
+
+
+def report(
+    a: DemoArgs, layout: MeshLayout, routing: Routing, dp_size: int, ours: list[Any], naive: list[list[list[int]]]
+) -> int:
+    print(f"\ncollective_loader demo: mesh [{layout.describe()}], {a.samples} samples in {a.data}, "
+          f"per-replica batch {a.batch_size} x seq {a.seq_len}, layout={a.layout}, delivery={a.delivery}, "
+          f"num_workers={a.num_workers}")
+    print(f"{dp_size} replicas, {group_count(dp_size, layout.pp_size)} process groups per loader\n")
+    width = 4 * len(a.dims) + 8
+    print(f"{'rank':>4}  {'coords':<{width}} {'role':<32} first batch received")
+    for record, coords, is_leader, *_ in ours:
+        where = " ".join(f"{n}={c}" for n, c in zip(a.dims, coords))
+        role = ("leader, " if is_leader else "") + {"both": "all stages"}.get(record.stage, f"{record.stage} stage")
+        role += f", dp_rank {record.dp_rank}"
+        print(f"{record.rank:>4}  {where:<{width}} {role:<32} {_describe(record.steps[0] if record.steps else {})}")
+    records = [o[0] for o in ours]
+    per_replica: dict[int, int] = {}
+    for rec in records:
+        if rec.rank == layout.place(rec.rank).leader:
+            per_replica[rec.dp_rank] = sum(len(b["sample_id"]) for b in rec.steps)
+    sent = sum(o[3]["bytes_sent"] for o in ours)
+    collectives = sum(o[3]["collectives"] for o in ours if layout.place(o[0].rank).is_leader)
+    steps = len(records[0].steps)
+    print(f"\n{steps} steps; samples per replica: {per_replica}; leaders sent {sent / 2**20:.2f} MiB in "
+          f"{collectives} collectives ({collectives / max(steps, 1) / dp_size:.1f} per leader per step); "
+          f"slowest rank {max(o[4] for o in ours):.2f}s")
+    epoch_ids = [i for rec in records if rec.rank == layout.place(rec.rank).leader for b in rec.steps for i in b["sample_id"].tolist()]
+    verdicts = invariants.check(records, routing, lambda ids: expected(ids, a.seq_len), epoch_ids)
+    if len(epoch_ids) != a.samples - a.samples % (a.batch_size * dp_size):
+        verdicts.append(invariants.Verdict("every sample of the dataset delivered", False, f"{len(epoch_ids)} of {a.samples}"))
+    print("\nverdict:")
+    for v in verdicts:
+        print(f"  [{'ok' if v.ok else 'FAIL'}] {v.name}" + (f": {v.detail}" if v.detail else ""))
+    stage_of = {rec.rank: ("first" if rec.stage == "both" else rec.stage) for rec in records}
+    dp_of = {rec.rank: rec.dp_rank for rec in records}
+    our_ids = {rec.rank: [b["sample_id"].tolist() if b else None for b in rec.steps] for rec in records}
+    naive_by_rank = dict(enumerate(naive))
+    ours_bad, ours_total = label_mismatch(stage_of, dp_of, our_ids)
+    naive_bad, naive_total = label_mismatch(stage_of, dp_of, naive_by_rank)
+    replication = math.prod(s for s, r in zip(layout.shape, layout.roles) if r in ("replicate", "shard"))
+    print("\nsteps whose last-stage labels do not belong to the first stage's inputs:")
+    if layout.pp_size == 1:
+        print("  (one pipeline stage: every rank holds inputs and labels; use a mesh with pp > 1)")
+    naive_steps = len(naive[0])
+    print(f"  naive, every rank builds StreamingDataset(replication={replication}): "
+          f"{100 * naive_bad / max(naive_total, 1):5.1f}% ({naive_bad} of {naive_total} last-stage rank-steps; "
+          f"{naive_steps} steps per epoch)")
+    print(f"  collective_loader:                                  "
+          f"{100 * ours_bad / max(ours_total, 1):5.1f}% ({ours_bad} of {ours_total} last-stage rank-steps; "
+          f"{steps} steps per epoch)")
+    ok = all(v.ok for v in verdicts) and ours_bad == 0
+    print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+# --- command line -----------------------------------------------------------------------------
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -48,93 +223,26 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
         raise argparse.ArgumentTypeError(f"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got {text!r}") from None
 
 
-def sample(sample_id: int, seq_len: int) -> dict[str, torch.Tensor]:
-    """One synthetic tokenized sample; its tokens are a function of its id."""
-    tokens = (sample_id * 7919 + torch.arange(seq_len + 1) * 31) % VOCAB
-    return {"input_ids": tokens[:-1], "labels": tokens[1:], "position_ids": torch.arange(seq_len)}
-
-
-def collate(ids: list[int], seq_len: int) -> dict[str, torch.Tensor]:
-    samples = [sample(i, seq_len) for i in ids]
-    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-    batch["sample_id"] = torch.tensor(ids)
-    return batch
-
-
-def replica_batches(dp_rank: int, dp_size: int, a: DemoArgs) -> Iterator[dict[str, torch.Tensor]]:
-    mine = list(range(dp_rank, a.samples, dp_size))
-    for start in range(0, len(mine) - a.batch_size + 1, a.batch_size):
-        yield collate(mine[start : start + a.batch_size], a.seq_len)
-
-
-def _describe(batch: dict[str, Any]) -> str:
-    if not batch:
-        return "{} (nothing: middle stage)"
-    parts = []
-    for k, v in batch.items():
-        parts.append(f"{k}={v.tolist()}" if k == "sample_id" else f"{k}{list(v.shape)}")
-    return " ".join(parts)
-
-
-def rank_main(a: DemoArgs) -> int:
-    mesh = init_device_mesh("cpu", a.shape, mesh_dim_names=a.dims)
-    place = mesh_place(mesh, dist.get_rank())
-    start = time.perf_counter()
-    loader = CollectiveLoader(
-        lambda: replica_batches(place.dp_rank, place.dp_size, a),
-        mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, layout=a.layout, delivery=a.delivery,
-    )
-    steps = [batch for batch in loader]
-    seconds = time.perf_counter() - start
-    received = sum(v.numel() * v.element_size() for b in steps for v in b.values())
-    record = invariants.RankRecord(place.rank, place.dp_rank, place.stage, place.shard, steps)
-    info = (record, place.coords, loader.is_leader, received, seconds, loader.group_count)
-    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-    dist.gather_object(info, gathered if dist.get_rank() == 0 else None, dst=0)
-    if dist.get_rank() != 0:
-        return 0
-    return report(a, loader, gathered)
-
-
-def report(a: DemoArgs, loader: CollectiveLoader, gathered: list[Any]) -> int:
-    print(f"collective_loader demo: mesh [{loader.mesh_layout.describe()}], {a.samples} samples, "
-          f"batch {a.batch_size} x seq {a.seq_len}, layout={a.layout}, delivery={a.delivery}")
-    print(f"{loader.dp_size} replicas, {loader.group_count} process groups per loader\n")
-    print(f"{'rank':>4}  {'coords':<{4 * len(a.dims) + 8}} {'role':<32} first batch received")
-    for record, coords, is_leader, _, _, _ in gathered:
-        where = " ".join(f"{n}={c}" for n, c in zip(a.dims, coords))
-        role = ("leader, " if is_leader else "") + {"both": "all stages"}.get(record.stage, f"{record.stage} stage")
-        role += f", dp_rank {record.dp_rank}"
-        first = record.steps[0] if record.steps else {}
-        print(f"{record.rank:>4}  {where:<{4 * len(a.dims) + 8}} {role:<32} {_describe(first)}")
-    steps = len(gathered[0][0].steps)
-    total = sum(g[3] for g in gathered)
-    slowest = max(g[4] for g in gathered)
-    print(f"\n{steps} steps per rank; {total / 2**20:.2f} MiB delivered to all ranks together; "
-          f"slowest rank {slowest:.2f}s (groups, epoch and shutdown included)")
-    verdicts = invariants.check(
-        [g[0] for g in gathered], loader.routing, lambda ids: collate(ids, a.seq_len),
-        range(a.samples // (loader.dp_size * a.batch_size) * loader.dp_size * a.batch_size),
-    )
-    print("\nverdict:")
-    for v in verdicts:
-        print(f"  [{'ok' if v.ok else 'FAIL'}] {v.name}" + (f": {v.detail}" if v.detail else ""))
-    ok = all(v.ok for v in verdicts)
-    print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
-    return 0 if ok else 1
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m collective_loader demo", description=__doc__.split("\n")[0])
-    p.add_argument("--mesh", type=parse_mesh, default=parse_mesh("pp=2,dp=2,cp=2"),
-                   help="dims in mesh order, outermost first (default pp=2,dp=2,cp=2)")
-    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--mesh", type=parse_mesh, default=parse_mesh("pp=2,dp=2,tp=2"),
+                   help="dims in mesh order, outermost first (default pp=2,dp=2,tp=2)")
+    p.add_argument("--data", help="an MDS dataset with columns tokens and id (default: write one to a temp dir)")
+    p.add_argument("--samples", type=int, default=256, help="samples to write when --data is not given")
     p.add_argument("--batch-size", type=int, default=4, help="per-replica batch size")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--layout", choices=("zigzag", "contiguous"), default="zigzag")
     p.add_argument("--delivery", choices=("broadcast", "scatter"), default="broadcast")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the local world is stopped")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per leader")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the local world is stopped")
     ns = p.parse_args(argv)
     dims, shape = ns.mesh
-    a = DemoArgs(dims, shape, ns.samples, ns.batch_size, ns.seq_len, ns.layout, ns.delivery)
-    return launch.run(rank_main, a, math.prod(shape), ns.timeout)
+    a = DemoArgs(dims, shape, ns.data or "", ns.samples, ns.batch_size, ns.seq_len, ns.layout, ns.delivery, ns.num_workers)
+    if ns.data or launch.under_torchrun():  # under torchrun the ranks write the dataset themselves
+        return launch.run(rank_main, a, math.prod(shape), ns.timeout)
+    out = tempfile.mkdtemp(prefix="collective_loader_demo_")
+    try:
+        write_dataset(out, ns.samples, ns.seq_len)
+        return launch.run(rank_main, replace(a, data=out), math.prod(shape), ns.timeout)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)

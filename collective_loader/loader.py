@@ -116,6 +116,7 @@ class CollectiveLoader:
         self._epoch: _Epoch | None = None
         self._resume: dict[str, Any] | None = None
         self.epoch = 0  # epochs started
+        _LIVE.add(self)
 
     # --- public facts ------------------------------------------------------------------------
 
@@ -262,9 +263,25 @@ class CollectiveLoader:
         self._resume = dict(state)
 
     def close(self) -> None:
-        """Finish the transfers already under way and stop the background thread."""
+        """Finish the transfers already under way, stop the background thread, close the source.
+
+        Call it on every rank before ``dist.destroy_process_group()``; at interpreter exit it
+        runs by itself.
+        """
         if self._epoch is not None:
             self._epoch.close()
+        close_source = getattr(self._source, "close", None)
+        if callable(close_source):
+            close_source()
+        _LIVE.discard(self)
+
+    def stats(self) -> dict[str, int]:
+        """Collectives and bytes this rank has sent and received through its delivery groups."""
+        out = {"collectives": 0, "bytes_sent": 0, "bytes_received": 0}
+        for channel in self._groups.channels.values():
+            for key in out:
+                out[key] += getattr(channel, key)
+        return out
 
     def __enter__(self) -> "CollectiveLoader":
         return self
@@ -273,14 +290,14 @@ class CollectiveLoader:
         self.close()
 
 
-_LIVE: "weakref.WeakSet[_Epoch]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[CollectiveLoader]" = weakref.WeakSet()
 
 
 @atexit.register
-def _close_live_epochs() -> None:
+def _close_live_loaders() -> None:
     # A thread left inside a gloo collective at interpreter exit aborts the process.
-    for epoch in list(_LIVE):
-        epoch.close()
+    for loader in list(_LIVE):
+        loader.close()
 
 
 class _Epoch(Iterator[Batch]):
@@ -301,7 +318,6 @@ class _Epoch(Iterator[Batch]):
         place = loader.place
         target = self._lead if place.is_leader else self._receive
         self._thread = threading.Thread(target=self._run, args=(target,), name=f"collective_loader-r{place.rank}", daemon=True)
-        _LIVE.add(self)
         self._thread.start()
 
     # --- training-loop side ----------------------------------------------------------------
@@ -333,7 +349,6 @@ class _Epoch(Iterator[Batch]):
             self._cond.notify()
         self._thread.join(self.loader.timeout + 5.0)
         self._finished = True
-        _LIVE.discard(self)
 
     # --- transfer thread -------------------------------------------------------------------
 

@@ -46,23 +46,39 @@ class Channel:
     header_group: dist.ProcessGroup
     payload_group: dist.ProcessGroup
     device: torch.device
+    # what this rank moved through the channel: the leader counts bytes it sends to each peer
+    collectives: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def _count(self, nbytes: int, peers: int) -> None:
+        self.collectives += 1
+        if dist.get_rank() == self.leader:
+            self.bytes_sent += nbytes * peers
+        else:
+            self.bytes_received += nbytes
 
     def send_header(self, header: Header) -> None:
-        dist.broadcast(header.encode(), src=self.leader, group=self.header_group)
+        words = header.encode()
+        dist.broadcast(words, src=self.leader, group=self.header_group)
+        self._count(words.numel() * 8, len(self.ranks) - 1)
 
     def recv_header(self, max_payload_bytes: int) -> Header:
         words = torch.empty(wire.HEADER_WORDS, dtype=torch.int64)
         dist.broadcast(words, src=self.leader, group=self.header_group)
+        self._count(words.numel() * 8, 0)
         return Header.decode(words, max_payload_bytes)
 
     def send_payload(self, payload: torch.Tensor) -> None:
         """Leader: broadcast one buffer to every member."""
         dist.broadcast(payload, src=self.leader, group=self.payload_group)
+        self._count(payload.numel(), len(self.ranks) - 1)
 
     def scatter_payload(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Leader: send ``parts[i]`` to the i-th member (sorted ranks); returns the leader's own."""
         mine = torch.empty_like(parts[self.ranks.index(self.leader)])
         dist.scatter(mine, list(parts), src=self.leader, group=self.payload_group)
+        self._count(mine.numel(), len(self.ranks) - 1)
         return mine
 
     def recv_payload(self, nbytes: int, scattered: bool) -> torch.Tensor:
@@ -71,6 +87,7 @@ class Channel:
             dist.scatter(buf, None, src=self.leader, group=self.payload_group)
         else:
             dist.broadcast(buf, src=self.leader, group=self.payload_group)
+        self._count(nbytes, 0)
         return buf
 
 

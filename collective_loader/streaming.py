@@ -1,0 +1,239 @@
+"""mosaicml-streaming's ``StreamingDataset`` on the data-parallel leaders only.
+
+Streaming assumes every rank builds and iterates the dataset and that ranks which should see the
+same samples are adjacent. Under pipeline parallelism neither holds. :class:`StreamingSource`
+builds the dataset and its ``DataLoader`` on the leaders alone, showing streaming a world of
+exactly the leaders (rank = dp_rank, world = dp_size, local world = leaders on this node), and
+:class:`~collective_loader.CollectiveLoader` delivers its batches to everyone else::
+
+    source = StreamingSource(mesh, local="/data/mds", batch_size=8, shuffle=True, num_workers=2)
+    loader = CollectiveLoader(source, mesh, inputs=("input_ids", "position_ids"), labels=("labels",))
+
+Batch sizes: ``batch_size`` is the **per-replica** batch of one step (what one leader's
+``DataLoader`` yields, all micro-batches of a pipeline step together). The global batch is
+``batch_size * dp_size``; a pipeline schedule splits each replica's batch into micro-batches.
+Elastic resume keeps the global batch: at twice the replicas, halve ``batch_size``.
+
+Streaming facts this relies on (mosaicml-streaming 0.13): ``World.detect()`` reads ``RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` (and ``LOCAL_RANK``) when the dataset is built; the
+constructor calls the default group's ``torch.distributed.barrier()`` three times; iteration
+makes no ``torch.distributed`` calls. So, while constructing, the environment holds the leaders'
+world and ``torch.distributed.barrier`` runs over a group of the leaders; both are restored
+afterwards, also when construction raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from collective_loader.layout import MeshLayout
+
+Sample = Mapping[str, Any]
+
+
+def lm_collate(samples: Sequence[Sample], key: str = "tokens") -> dict[str, torch.Tensor]:
+    """Turn MDS samples holding ``seq_len + 1`` tokens into a language-model batch.
+
+    Returns ``input_ids`` and ``labels`` (the same tokens shifted by one), ``position_ids``,
+    each of shape ``(batch, seq_len)``, plus ``sample_id`` of shape ``(batch,)`` when the
+    samples carry an ``id`` column. This is the place for your own collate: any function from a
+    list of samples to a mapping of tensors works.
+
+    >>> import numpy as np
+    >>> b = lm_collate([{"tokens": np.arange(5), "id": 7}])
+    >>> b["input_ids"].tolist(), b["labels"].tolist(), b["sample_id"].tolist()
+    ([[0, 1, 2, 3]], [[1, 2, 3, 4]], [7])
+    """
+    tokens = torch.stack([torch.tensor(np.asarray(s[key]), dtype=torch.int64) for s in samples])
+    seq_len = tokens.shape[1] - 1
+    batch = {
+        "input_ids": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(seq_len).expand(len(samples), seq_len).contiguous(),
+    }
+    if all("id" in s for s in samples):
+        batch["sample_id"] = torch.tensor([int(s["id"]) for s in samples])
+    return batch
+
+
+def leader_env(leaders: Sequence[int], dp_rank: int, local_world_size: int) -> dict[str, str]:
+    """The environment streaming must see on the leader of replica ``dp_rank``.
+
+    ``leaders`` are the leaders' global ranks ordered by dp_rank; a global rank's node is
+    ``rank // local_world_size`` (torchrun's numbering). Streaming assumes every node holds the
+    same number of its ranks and that its ranks are numbered node by node, so the leaders must
+    be spread evenly over the nodes that hold any, with consecutive dp_ranks per node.
+
+    >>> leader_env([0, 8], 1, local_world_size=8)  # one leader on each of two nodes
+    {'RANK': '1', 'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '1', 'LOCAL_RANK': '0'}
+    """
+    nodes: dict[int, list[int]] = {}
+    for dp, rank in enumerate(leaders):
+        nodes.setdefault(rank // local_world_size, []).append(dp)
+    per_node = {len(dps) for dps in nodes.values()}
+    if len(per_node) != 1:
+        counts = {node: len(dps) for node, dps in sorted(nodes.items())}
+        raise ValueError(
+            f"data-parallel leaders are spread unevenly over nodes ({counts} leaders per node); streaming "
+            "needs the same number on every node that holds one: put the data dims of the mesh outermost "
+            "or innermost"
+        )
+    count = per_node.pop()
+    for index, (node, dps) in enumerate(sorted(nodes.items())):
+        if dps != list(range(index * count, (index + 1) * count)):
+            raise ValueError(
+                f"the leaders on node {node} are dp_ranks {dps}; streaming needs consecutive dp_ranks per node "
+                f"({list(range(index * count, (index + 1) * count))})"
+            )
+    return {
+        "RANK": str(dp_rank),
+        "WORLD_SIZE": str(len(leaders)),
+        "LOCAL_WORLD_SIZE": str(count),
+        "LOCAL_RANK": str(dp_rank % count),
+    }
+
+
+@contextlib.contextmanager
+def leaders_world(env: Mapping[str, str], group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Inside: ``os.environ`` holds ``env`` and ``torch.distributed.barrier`` runs over ``group``
+    (a no-op without one). Restored on exit, also on an exception."""
+    saved = {k: os.environ.get(k) for k in env}
+    real_barrier = dist.barrier
+
+    def leaders_barrier(*args: Any, **kwargs: Any) -> None:
+        if group is not None:
+            real_barrier(group=group)
+
+    os.environ.update(env)
+    dist.barrier = leaders_barrier  # streaming looks it up on the module at call time
+    try:
+        yield
+    finally:
+        dist.barrier = real_barrier
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class StreamingSource:
+    """Builds a ``StreamingDataset`` and its ``DataLoader`` on the leaders; pass it to
+    ``CollectiveLoader`` as the source.
+
+    Construct it on **every** rank (it creates a process group of the leaders, which every rank
+    must join); the dataset itself is built only when ``CollectiveLoader`` calls it, on leaders.
+
+    Args:
+        mesh: the same ``DeviceMesh`` given to ``CollectiveLoader``.
+        batch_size: per-replica batch size of one step (given to streaming and the DataLoader).
+        collate: samples -> batch; :func:`lm_collate` by default.
+        num_workers: DataLoader worker processes per leader.
+        roles: dim roles, as for ``CollectiveLoader``.
+        clean_stale: first remove the shared memory a killed run left on this node (see the
+            README). Never set it while another streaming job on the node is running.
+        timeout: seconds the leaders wait for each other while building.
+        dataloader_kwargs: more DataLoader arguments (``pin_memory``, ``prefetch_factor``, …).
+        **dataset_kwargs: passed to ``StreamingDataset`` unchanged (``local``, ``remote``,
+            ``streams``, ``shuffle``, ``shuffle_algo``, ``shuffle_seed``,
+            ``num_canonical_nodes``, ``epoch_size``, …).
+    """
+
+    def __init__(
+        self,
+        mesh: Any,
+        *,
+        batch_size: int,
+        collate: Callable[[Sequence[Sample]], Mapping[str, Any]] = lm_collate,
+        num_workers: int = 0,
+        roles: Mapping[str, str] | None = None,
+        clean_stale: bool = False,
+        timeout: float = 600.0,
+        dataloader_kwargs: Mapping[str, Any] | None = None,
+        **dataset_kwargs: Any,
+    ) -> None:
+        if "batch_size" in (dataloader_kwargs or {}) or "replication" in dataset_kwargs:
+            raise ValueError("give batch_size once, to StreamingSource; replication is what this class replaces")
+        layout = MeshLayout.from_mesh(mesh, roles)
+        self.place = layout.place(dist.get_rank())
+        leaders = layout.leaders()
+        self._group = (
+            dist.new_group(sorted(leaders), backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+            if len(leaders) > 1
+            else None
+        )
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        self._env = leader_env(leaders, self.place.dp_rank, local_world_size) if self.place.is_leader else {}
+        self.batch_size = batch_size
+        self._collate = collate
+        self._num_workers = num_workers
+        self._clean_stale = clean_stale
+        self._dataloader_kwargs = dict(dataloader_kwargs or {})
+        self._dataset_kwargs = dataset_kwargs
+
+    def __call__(self) -> "LeaderStream":
+        """Build the dataset and DataLoader (leaders only; ``CollectiveLoader`` calls this)."""
+        if not self.place.is_leader:
+            raise RuntimeError(f"rank {self.place.rank} is not a leader; only leaders build the dataset")
+        from streaming import StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+
+        with leaders_world(self._env, self._group):
+            if self._clean_stale:
+                clean_stale_shared_memory()
+            dataset = StreamingDataset(batch_size=self.batch_size, **self._dataset_kwargs)
+        loader = DataLoader(
+            dataset, batch_size=self.batch_size, num_workers=self._num_workers, collate_fn=self._collate,
+            **self._dataloader_kwargs,
+        )
+        return LeaderStream(dataset, loader, self.batch_size * self.place.dp_size)
+
+
+class LeaderStream:
+    """A leader's dataset and DataLoader, with a state that counts the batches taken from it.
+
+    Its state is streaming's own (``StreamingDataset.state_dict``) for the *global* number of
+    samples consumed, ``batches taken × global batch``, plus the global batch size, which a
+    resume must keep (``supports_elastic_resume``: the DP degree may change with it).
+    """
+
+    supports_elastic_resume = True
+
+    def __init__(self, dataset: Any, loader: DataLoader, global_batch: int) -> None:
+        self.dataset = dataset
+        self.loader = loader
+        self.global_batch = global_batch
+        self._taken = 0
+
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
+        self._taken = 0
+        for batch in self.loader:
+            self._taken += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.dataset.state_dict(num_samples=self._taken * self.global_batch, from_beginning=False)
+        return {**state, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("global_batch") != self.global_batch:
+            raise ValueError(
+                f"the state was saved with a global batch of {state.get('global_batch')} samples; this run's is "
+                f"{self.global_batch} (batch_size x dp_size): streaming resumes exactly only with the same global batch"
+            )
+        self.dataset.load_state_dict({k: v for k, v in state.items() if k != "global_batch"})
+
+    def close(self) -> None:
+        """Remove the lock files streaming leaves in the temp dir (its shared memory goes by itself)."""
+        ds = self.dataset
+        for path in (ds._shared_barrier.filelock_path, ds._cache_filelock_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
