@@ -44,7 +44,8 @@ def run(fn: Callable[[Any], int], args: Any, world_size: int, timeout: float) ->
     tmp = tempfile.mkdtemp(prefix="collective_loader_")
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, args, r, world_size, os.path.join(tmp, "init")), daemon=True)
+        # not daemons: a rank's DataLoader may start worker processes; the finally below kills them
+        ctx.Process(target=_rank_main, args=(fn, args, r, world_size, os.path.join(tmp, "init")))
         for r in range(world_size)
     ]
     try:

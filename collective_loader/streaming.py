@@ -24,9 +24,13 @@ afterwards, also when construction raises.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
+import re
+import tempfile
+import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -37,6 +41,7 @@ from torch.utils.data import DataLoader
 from collective_loader.layout import MeshLayout
 
 Sample = Mapping[str, Any]
+CLOSE_WAIT = 60.0  # seconds a leader waits for the others before releasing shared files
 
 
 def lm_collate(samples: Sequence[Sample], key: str = "tokens") -> dict[str, torch.Tensor]:
@@ -138,8 +143,9 @@ class StreamingSource:
         collate: samples -> batch; :func:`lm_collate` by default.
         num_workers: DataLoader worker processes per leader.
         roles: dim roles, as for ``CollectiveLoader``.
-        clean_stale: first remove the shared memory a killed run left on this node (see the
-            README). Never set it while another streaming job on the node is running.
+        clean_stale: first remove the shared memory and lock files a killed run left on this
+            node (see the README). Never set it while another streaming job on the node runs:
+            streaming's cleaner removes every streaming block on the node, live ones too.
         timeout: seconds the leaders wait for each other while building.
         dataloader_kwargs: more DataLoader arguments (``pin_memory``, ``prefetch_factor``, …).
         **dataset_kwargs: passed to ``StreamingDataset`` unchanged (``local``, ``remote``,
@@ -189,38 +195,50 @@ class StreamingSource:
         with leaders_world(self._env, self._group):
             if self._clean_stale:
                 clean_stale_shared_memory()
+                if self.place.dp_rank % int(self._env["LOCAL_WORLD_SIZE"]) == 0:
+                    remove_stale_lock_files()
             dataset = StreamingDataset(batch_size=self.batch_size, **self._dataset_kwargs)
         loader = DataLoader(
             dataset, batch_size=self.batch_size, num_workers=self._num_workers, collate_fn=self._collate,
             **self._dataloader_kwargs,
         )
-        return LeaderStream(dataset, loader, self.batch_size * self.place.dp_size)
+        return LeaderStream(dataset, loader, self.batch_size * self.place.dp_size, self._group)
 
 
 class LeaderStream:
     """A leader's dataset and DataLoader, with a state that counts the batches taken from it.
 
     Its state is streaming's own (``StreamingDataset.state_dict``) for the *global* number of
-    samples consumed, ``batches taken × global batch``, plus the global batch size, which a
-    resume must keep (``supports_elastic_resume``: the DP degree may change with it).
+    samples consumed, ``batches taken x global batch``, plus the global batch size, which a
+    resume must keep (``supports_elastic_resume``: the DP degree may change with it). Streaming
+    is asked once per epoch; the per-batch snapshots are arithmetic on that answer (each call
+    of streaming's ``state_dict`` after a resume maps one more shared-memory block until exit).
     """
 
     supports_elastic_resume = True
 
-    def __init__(self, dataset: Any, loader: DataLoader, global_batch: int) -> None:
-        self.dataset = dataset
-        self.loader = loader
+    def __init__(self, dataset: Any, loader: DataLoader, global_batch: int, leaders: dist.ProcessGroup | None) -> None:
+        self.dataset: Any = dataset
+        self.loader: DataLoader | None = loader
         self.global_batch = global_batch
+        self._leaders = leaders
         self._taken = 0
+        self._epoch_state: dict[str, Any] | None = None
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
-        self._taken = 0
+        assert self.loader is not None, "LeaderStream used after close()"
+        self._taken, self._epoch_state = 0, None
         for batch in self.loader:
+            if self._epoch_state is None:  # the epoch has started: streaming knows its offset now
+                self._epoch_state = self.dataset.state_dict(num_samples=0, from_beginning=False)
             self._taken += 1
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.dataset.state_dict(num_samples=self._taken * self.global_batch, from_beginning=False)
+        if self._epoch_state is None:
+            self._epoch_state = self.dataset.state_dict(num_samples=0, from_beginning=False)
+        state = dict(self._epoch_state)
+        state["sample_in_epoch"] += self._taken * self.global_batch
         return {**state, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -232,8 +250,51 @@ class LeaderStream:
         self.dataset.load_state_dict({k: v for k, v in state.items() if k != "global_batch"})
 
     def close(self) -> None:
-        """Remove the lock files streaming leaves in the temp dir (its shared memory goes by itself)."""
-        ds = self.dataset
-        for path in (ds._shared_barrier.filelock_path, ds._cache_filelock_path):
+        """Release the dataset's shared memory and lock files now rather than at interpreter exit.
+
+        Every leader calls it (``CollectiveLoader.close`` does); it first waits, at most
+        ``CLOSE_WAIT`` seconds, for the other leaders, which share the node's blocks and locks.
+        """
+        if self.dataset is None:
+            return
+        dataset, self.dataset, self.loader = self.dataset, None, None
+        if self._leaders is not None:
+            try:
+                dist.monitored_barrier(group=self._leaders, timeout=datetime.timedelta(seconds=CLOSE_WAIT))
+            except RuntimeError as e:
+                warnings.warn(f"not every leader closed its dataset; leaving streaming's files in place: {e}", stacklevel=2)
+                return
+        for shm in _shared_memories(dataset):
+            atexit.unregister(shm.cleanup)  # streaming registers one per block; it would run again
+            shm.cleanup()
+        for path in (dataset._shared_barrier.filelock_path, dataset._cache_filelock_path):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
+
+
+def remove_stale_lock_files(tmp: str | None = None) -> list[str]:
+    """Remove streaming's lock files whose datasets are gone; return their names.
+
+    A live dataset keeps its ``NNNNNN_locals`` block in ``/dev/shm``; a lock file
+    ``NNNNNN_*_filelock`` in the temp dir without that block was left by a killed run.
+    """
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    for name in sorted(os.listdir(tmp)):
+        match = re.fullmatch(r"(\d{6})_\w+_filelock", name)
+        if match and not os.path.exists(f"/dev/shm/{match.group(1)}_locals"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(tmp, name))
+                removed.append(name)
+    return removed
+
+
+def _shared_memories(obj: Any, depth: int = 3) -> list[Any]:
+    """Streaming ``SharedMemory`` blocks reachable from ``obj`` through attributes."""
+    from streaming.base.shared.memory import SharedMemory
+
+    if isinstance(obj, SharedMemory):
+        return [obj]
+    if depth == 0 or not hasattr(obj, "__dict__"):
+        return []
+    return [shm for value in vars(obj).values() for shm in _shared_memories(value, depth - 1)]

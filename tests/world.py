@@ -53,7 +53,8 @@ class World:
         self._tasks = [ctx.Queue() for _ in range(self.size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, self.size, init_file, self._tasks[r], self._results), daemon=True)
+            # not daemons: DataLoader workers need a non-daemon parent; kill() ends them all
+            ctx.Process(target=_worker, args=(r, self.size, init_file, self._tasks[r], self._results), daemon=False)
             for r in range(self.size)
         ]
         for p in self._procs:
