@@ -31,7 +31,7 @@ from collective_loader import invariants, launch
 from collective_loader.layout import MeshLayout, group_count
 from collective_loader.loader import CollectiveLoader
 from collective_loader.routing import Routing
-from collective_loader.streaming import StreamingSource, lm_collate
+from collective_loader.streaming import StreamingSource, lm_collate, release
 
 INPUTS = ("input_ids", "position_ids", "sample_id")
 LABELS = ("labels", "sample_id")
@@ -131,7 +131,8 @@ def naive_ids(a: DemoArgs, layout: MeshLayout) -> list[list[int]]:
         local=a.data, batch_size=a.batch_size, shuffle=True, shuffle_seed=SHUFFLE_SEED, replication=replication
     )
     ids = [b["sample_id"].tolist() for b in DataLoader(dataset, batch_size=a.batch_size, collate_fn=lm_collate)]
-    del dataset
+    dist.barrier()  # every rank of the node is done with the blocks before they go
+    release(dataset)
     return ids
 
 

@@ -349,6 +349,10 @@ class _Epoch(Iterator[Batch]):
             self._cond.notify()
         self._thread.join(self.loader.timeout + 5.0)
         self._finished = True
+        # an epoch left early: stop the source's iterator now (DataLoader workers exit with it)
+        close_iter = getattr(getattr(self, "_source_iter", None), "close", None)
+        if callable(close_iter):
+            close_iter()
 
     # --- transfer thread -------------------------------------------------------------------
 
@@ -374,7 +378,7 @@ class _Epoch(Iterator[Batch]):
                 self._queue.put(_Item(Kind.SOURCE_ERROR, error=e))
 
     def _lead(self, step: int) -> Kind:
-        loader, place, groups = self.loader, self.loader.place, self.loader._groups
+        loader, groups = self.loader, self.loader._groups
         kind, message, cause, parts, source_state = Kind.DATA, "", None, {}, None
         try:
             if step == 0:
@@ -389,6 +393,14 @@ class _Epoch(Iterator[Batch]):
             kind, message, cause = Kind.BATCH_ERROR, str(e), e
         except Exception as e:
             kind, message, cause = Kind.SOURCE_ERROR, f"{type(e).__name__}: {e}", e
+        with self._collectives(f"gave up delivering step {step} to its replica"):
+            return self._deliver(step, kind, message, cause, parts, source_state)
+
+    def _deliver(
+        self, step: int, kind: Kind, message: str, cause: BaseException | None, parts: dict, source_state: Any
+    ) -> Kind:
+        """Leader: agree on the step's outcome with the other leaders, then send it."""
+        loader, place, groups = self.loader, self.loader.place, self.loader._groups
         origin = place.rank
         if groups.leaders is not None:
             kind, message, origin = transport.agree(groups.leaders, kind, message)
@@ -413,6 +425,20 @@ class _Epoch(Iterator[Batch]):
             channel.send_header(Header(Kind.END, step, 0, 0))
         self._queue.put(_Item(Kind.END))
         return kind
+
+    @contextlib.contextmanager
+    def _collectives(self, what: str) -> Iterator[None]:
+        """Turn a failed or timed-out collective into a DeliveryError saying who waited for what."""
+        try:
+            yield
+        except (WireError, DeliveryError):
+            raise
+        except RuntimeError as e:
+            place = self.loader.place
+            raise DeliveryError(
+                f"rank {place.rank} ({place.stage} stage, dp_rank {place.dp_rank}) {what} "
+                f"(timeout={self.loader.timeout}s): {e}"
+            ) from e
 
     def _start_source(self) -> Iterator[Mapping[str, Any]]:
         """``iter(source)``, resumed where a loaded state says."""
@@ -478,7 +504,7 @@ class _Epoch(Iterator[Batch]):
     def _receive(self, step: int) -> Kind:
         loader = self.loader
         channel = next(iter(loader._groups.channels.values()))
-        try:
+        with self._collectives(f"waited for leader rank {channel.leader} to deliver step {step} and gave up"):
             header = channel.recv_header(loader.max_batch_bytes)
             if header.step != step:
                 raise WireError(f"expected step {step} from leader rank {channel.leader}, got step {header.step}")
@@ -490,13 +516,6 @@ class _Epoch(Iterator[Batch]):
                 return Kind.DATA
             scattered = header.kind == Kind.DATA and loader.delivery == "scatter"
             payload = channel.recv_payload(header.payload_nbytes, scattered)
-        except (RuntimeError, ValueError) as e:
-            if isinstance(e, (WireError, DeliveryError)):
-                raise
-            raise DeliveryError(
-                f"rank {loader.place.rank} ({loader.place.stage} stage, dp_rank {loader.dp_rank}) waited for leader "
-                f"rank {channel.leader} to deliver step {step} and gave up (timeout={loader.timeout}s): {e}"
-            ) from e
         if header.kind == Kind.DATA:
             batch = wire.unpack(payload, header.meta_nbytes)
             if not scattered:

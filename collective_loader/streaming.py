@@ -143,9 +143,8 @@ class StreamingSource:
         collate: samples -> batch; :func:`lm_collate` by default.
         num_workers: DataLoader worker processes per leader.
         roles: dim roles, as for ``CollectiveLoader``.
-        clean_stale: first remove the shared memory and lock files a killed run left on this
-            node (see the README). Never set it while another streaming job on the node runs:
-            streaming's cleaner removes every streaming block on the node, live ones too.
+        clean_stale: first remove the shared memory and lock files killed runs left on this
+            node (:func:`remove_stale`); blocks that a live process maps are kept.
         timeout: seconds the leaders wait for each other while building.
         dataloader_kwargs: more DataLoader arguments (``pin_memory``, ``prefetch_factor``, …).
         **dataset_kwargs: passed to ``StreamingDataset`` unchanged (``local``, ``remote``,
@@ -190,13 +189,12 @@ class StreamingSource:
         if not self.place.is_leader:
             raise RuntimeError(f"rank {self.place.rank} is not a leader; only leaders build the dataset")
         from streaming import StreamingDataset
-        from streaming.base.util import clean_stale_shared_memory
 
         with leaders_world(self._env, self._group):
             if self._clean_stale:
-                clean_stale_shared_memory()
-                if self.place.dp_rank % int(self._env["LOCAL_WORLD_SIZE"]) == 0:
-                    remove_stale_lock_files()
+                if self.place.dp_rank % int(self._env["LOCAL_WORLD_SIZE"]) == 0:  # the node's first leader
+                    remove_stale()
+                dist.barrier()  # the leaders' barrier: nobody looks for blocks while they are removed
             dataset = StreamingDataset(batch_size=self.batch_size, **self._dataset_kwargs)
         loader = DataLoader(
             dataset, batch_size=self.batch_size, num_workers=self._num_workers, collate_fn=self._collate,
@@ -264,29 +262,62 @@ class LeaderStream:
             except RuntimeError as e:
                 warnings.warn(f"not every leader closed its dataset; leaving streaming's files in place: {e}", stacklevel=2)
                 return
-        for shm in _shared_memories(dataset):
-            atexit.unregister(shm.cleanup)  # streaming registers one per block; it would run again
-            shm.cleanup()
-        for path in (dataset._shared_barrier.filelock_path, dataset._cache_filelock_path):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+        release(dataset)
 
 
-def remove_stale_lock_files(tmp: str | None = None) -> list[str]:
-    """Remove streaming's lock files whose datasets are gone; return their names.
+def release(dataset: Any) -> None:
+    """Free a ``StreamingDataset``'s shared memory blocks and remove its lock files now.
 
-    A live dataset keeps its ``NNNNNN_locals`` block in ``/dev/shm``; a lock file
-    ``NNNNNN_*_filelock`` in the temp dir without that block was left by a killed run.
+    Streaming only does the first at interpreter exit and never the second. Call it once every
+    process on the node that uses the dataset's blocks is done with them.
+    """
+    for shm in _shared_memories(dataset):
+        atexit.unregister(shm.cleanup)  # streaming registers one per block; it would run again
+        shm.cleanup()
+    for path in (dataset._shared_barrier.filelock_path, dataset._cache_filelock_path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def remove_stale(shm_dir: str = "/dev/shm", tmp: str | None = None) -> list[str]:
+    """Remove what killed streaming runs left on this node; return the names removed.
+
+    A live dataset keeps its shared-memory blocks (``NNNNNN_*`` in ``shm_dir``) mapped; a block
+    that no process maps (read from ``/proc/*/maps``) was left by a run that was killed with its
+    resource tracker. A lock file ``NNNNNN_*_filelock`` in the temp dir is stale when its
+    prefix's ``NNNNNN_locals`` block is gone. Blocks of live runs, any prefix, are kept.
     """
     tmp = tmp or tempfile.gettempdir()
+    mapped = _mapped_shared_memory()
     removed = []
+    for name in sorted(os.listdir(shm_dir)):
+        if re.fullmatch(r"\d{6}_\w+", name) and name not in mapped:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(shm_dir, name))
+                removed.append(name)
     for name in sorted(os.listdir(tmp)):
         match = re.fullmatch(r"(\d{6})_\w+_filelock", name)
-        if match and not os.path.exists(f"/dev/shm/{match.group(1)}_locals"):
+        if match and not os.path.exists(os.path.join(shm_dir, f"{match.group(1)}_locals")):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(tmp, name))
                 removed.append(name)
     return removed
+
+
+def _mapped_shared_memory() -> set[str]:
+    """Names of ``/dev/shm`` files some process on this machine has mapped."""
+    names = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    if "/dev/shm/" in line:
+                        names.add(line.split("/dev/shm/", 1)[1].split()[0])
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return names
 
 
 def _shared_memories(obj: Any, depth: int = 3) -> list[Any]:

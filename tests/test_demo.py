@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -12,8 +13,16 @@ def _run(cmd: list[str]) -> str:
     return proc.stdout
 
 
+def test_demo_default_shows_the_naive_mismatch_and_ours_clean():
+    out = _run([sys.executable, "-m", "collective_loader", "demo", "--samples", "96", "--num-workers", "2"])
+    assert "all checks passed" in out and out.count("[ok]") == 5
+    assert re.search(r"naive, every rank builds StreamingDataset\(replication=2\): 100\.0%", out), out
+    assert re.search(r"collective_loader: +0\.0% \(0 of \d+", out), out
+    assert "samples per replica: {0: 48, 1: 48}" in out
+
+
 def test_demo_local_world_with_middle_stages():
-    out = _run([sys.executable, "-m", "collective_loader", "demo", "--mesh", "pp=3,dp=2,cp=2", "--samples", "24"])
+    out = _run([sys.executable, "-m", "collective_loader", "demo", "--mesh", "pp=3,dp=1,cp=2", "--samples", "48"])
     assert "middle stage" in out and "all checks passed" in out
     assert out.count("[ok]") == 5
 
@@ -21,7 +30,7 @@ def test_demo_local_world_with_middle_stages():
 def test_demo_under_torchrun():
     out = _run([
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        "-m", "collective_loader", "demo", "--mesh", "pp=2,dp=2", "--samples", "16",
+        "-m", "collective_loader", "demo", "--mesh", "pp=2,dp=2", "--samples", "32",
     ])
     assert "all checks passed" in out
 

@@ -110,7 +110,9 @@ def failed_build():
     mesh = ranks.make_mesh(("pp", "dp", "tp"), (2, 2, 2))
     before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
     barrier = dist.barrier
-    source = StreamingSource(mesh, local="/nonexistent/mds", batch_size=4)
+    # download_timeout passes through to StreamingDataset: the second leader waits that long for
+    # the index the first one cannot produce
+    source = StreamingSource(mesh, local="/nonexistent/mds", batch_size=4, download_timeout=3)
     try:
         CollectiveLoader(source, mesh, inputs=INPUTS, labels=LABELS)
     except LeaderError as e:

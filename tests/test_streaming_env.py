@@ -63,3 +63,25 @@ def test_leaders_world_restores_env_and_barrier_on_error(monkeypatch):
             raise RuntimeError("boom")
     assert os.environ["RANK"] == "5" and "LOCAL_RANK" not in os.environ
     assert dist.barrier is real
+
+
+def test_remove_stale_keeps_mapped_blocks_and_removes_the_rest(tmp_path):
+    from multiprocessing import shared_memory
+
+    from collective_loader.streaming import remove_stale
+
+    live = shared_memory.SharedMemory(name="999990_locals", create=True, size=64)  # mapped here
+    dead = shared_memory.SharedMemory(name="999991_barrier", create=True, size=64)
+    dead.close()  # unmapped, never unlinked: what a killed run leaves
+    (tmp_path / "999990_barrier_filelock").write_text("")
+    (tmp_path / "999991_barrier_filelock").write_text("")
+    try:
+        removed = remove_stale(tmp=str(tmp_path))
+        assert "999991_barrier" in removed and "999991_barrier_filelock" in removed
+        assert "999990_locals" not in removed and os.path.exists("/dev/shm/999990_locals")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["999990_barrier_filelock"]
+    finally:
+        live.close()
+        live.unlink()
+        if os.path.exists("/dev/shm/999991_barrier"):
+            os.remove("/dev/shm/999991_barrier")
