@@ -349,9 +349,10 @@ class _Epoch(Iterator[Batch]):
             self._cond.notify()
         self._thread.join(self.loader.timeout + 5.0)
         self._finished = True
-        # an epoch left early: stop the source's iterator now (DataLoader workers exit with it)
+        # an epoch left early: stop the source's iterator now (DataLoader workers exit with it);
+        # a thread still inside the source after the wait keeps it
         close_iter = getattr(getattr(self, "_source_iter", None), "close", None)
-        if callable(close_iter):
+        if callable(close_iter) and not self._thread.is_alive():
             close_iter()
 
     # --- transfer thread -------------------------------------------------------------------

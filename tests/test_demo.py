@@ -14,7 +14,7 @@ def _run(cmd: list[str]) -> str:
 
 
 def test_demo_default_shows_the_naive_mismatch_and_ours_clean():
-    out = _run([sys.executable, "-m", "collective_loader", "demo", "--samples", "96", "--num-workers", "2"])
+    out = _run([sys.executable, "-m", "collective_loader", "demo", "--samples", "96"])
     assert "all checks passed" in out and out.count("[ok]") == 5
     assert re.search(r"naive, every rank builds StreamingDataset\(replication=2\): 100\.0%", out), out
     assert re.search(r"collective_loader: +0\.0% \(0 of \d+", out), out

@@ -45,9 +45,12 @@ def leftovers() -> list[str]:
 
 def _build(data, dims, shape, batch_size, **kw):
     mesh = ranks.make_mesh(dims, shape)
+    workers = kw.pop("num_workers", 0)
     source = StreamingSource(
         mesh, local=data, batch_size=batch_size, shuffle=True, shuffle_seed=7, num_canonical_nodes=2,
-        num_workers=kw.pop("num_workers", 0),
+        num_workers=workers,
+        # forked workers of these big test processes were ~10x slower (see the README)
+        dataloader_kwargs={"multiprocessing_context": "forkserver"} if workers else None,
     )
     return CollectiveLoader(source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, **kw)
 

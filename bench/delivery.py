@@ -1,0 +1,727 @@
+"""Delivery time of CollectiveLoader against its limits, on this machine (gloo, CPU ranks).
+
+    python bench/delivery.py            # about 10 minutes: bench/results/delivery.{json,md} + plots
+    python bench/delivery.py --quick    # under a minute: bench/results/delivery_quick.*
+
+Figures that are compared are measured side by side: in one world, every variant runs one epoch
+in turn, for several rounds (the order rotates each round), and the tables give the median over
+rounds. A step's time is the slowest rank's time between two consecutive batches; the first
+``SKIP`` steps of every epoch are warm-up and left out. Sources yield one pre-built batch, so no
+loading cost is measured.
+
+* Delivery vs the limit: CollectiveLoader with ``prefetch=1`` and with the default, against one
+  raw ``dist.broadcast`` of the batch's bytes over a group of the same ranks (mesh dp=1, tp=4:
+  one leader, three receivers), for 1 tensor and for 6 tensors of mixed dtypes.
+* Delivery vs the per-tensor pattern (Megatron's ``get_batch_on_this_tp_rank``): one broadcast
+  of the shapes, then one synchronous broadcast per tensor.
+* Overlap: a loop that sleeps 1x and 2x the synchronous delivery time per step (``prefetch=1``
+  delivery, measured just before in the same world); the time spent inside ``next(it)`` is the
+  exposed wait.
+* Profile: one synchronous step rebuilt from the package's wire pieces, timed by phase.
+* Scale: constructor time and 1 KiB step time on 2 to 16 ranks; groups and collectives per step
+  from the layout code for meshes up to pp=16, dp=128, cp=2, tp=4 (no processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from collective_loader import CollectiveLoader, launch, wire
+from collective_loader.layout import MeshLayout, group_count
+from collective_loader.wire import Header, Kind
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+KIB, MIB = 1 << 10, 1 << 20
+MIXED = (torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.bool, torch.float16)
+SKIP = 2  # warm-up steps left out at the start of every epoch
+TIMEOUT = 120.0  # seconds a loader waits in one collective
+DELIVERY_MESH = (("dp", "tp"), (1, 4))  # one leader (rank 0), three receivers
+LEADER = 0
+SCALE_MESHES = {2: (1, 1, 2), 4: (2, 1, 2), 8: (2, 2, 2), 16: (4, 2, 2)}  # world -> (pp, dp, tp)
+LAYOUT_MESHES = (  # (pp, dp, cp, tp)
+    (1, 1, 1, 8), (3, 2, 2, 2), (1, 8, 1, 8), (2, 4, 1, 8), (4, 8, 2, 4), (8, 32, 2, 4), (16, 64, 2, 4),
+    (16, 128, 2, 4),
+)
+LOADERS = {"loader_p1": 1, "loader_default": None}  # variant -> prefetch
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What one run measures; ``--quick`` shrinks every part."""
+
+    payloads: tuple[int, ...]
+    overlap_payloads: tuple[int, ...]  # measured with the 6-tensor batch
+    world_sizes: tuple[int, ...]
+    rounds: int
+    max_steps: int  # measured steps per epoch for small payloads
+    min_steps: int
+    world_timeout: float  # seconds one launched world may run
+    out: str = ""  # JSON-lines file rank 0 appends to
+
+    def steps(self, nbytes: int) -> int:
+        """Measured steps per epoch: about 256 MiB per epoch, within [min_steps, max_steps]."""
+        return max(self.min_steps, min(self.max_steps, (256 * MIB) // nbytes))
+
+
+FULL = Settings(
+    payloads=(KIB, 16 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB),
+    overlap_payloads=(16 * KIB, MIB, 16 * MIB),
+    world_sizes=(2, 4, 8, 16), rounds=3, max_steps=100, min_steps=8, world_timeout=1200,
+)
+QUICK = Settings(
+    payloads=(KIB, 16 * KIB, MIB), overlap_payloads=(16 * KIB,), world_sizes=(2, 4),
+    rounds=2, max_steps=20, min_steps=6, world_timeout=300,
+)
+
+
+# --- batches and variants -------------------------------------------------------------------
+
+
+def make_batch(nbytes: int, n_tensors: int) -> dict[str, torch.Tensor]:
+    """``n_tensors`` tensors of shape (2, L) sharing about ``nbytes``, dtypes from :data:`MIXED`."""
+    batch = {}
+    for i, dtype in enumerate(MIXED[:n_tensors]):
+        length = max(1, nbytes // n_tensors // (2 * torch.empty(0, dtype=dtype).element_size()))
+        if dtype == torch.bool:
+            value = torch.rand(2, length) < 0.5
+        elif dtype.is_floating_point:
+            value = torch.randn(2, length).to(dtype)
+        else:
+            value = torch.randint(0, 32000, (2, length), dtype=dtype)
+        batch[f"t{i}_{str(dtype).removeprefix('torch.')}"] = value
+    return batch
+
+
+def tensor_bytes(batch: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in batch.values())
+
+
+class Repeat:
+    """A source yielding the same batch ``steps`` times per epoch; set ``steps`` before ``iter``."""
+
+    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
+        self.batch = batch
+        self.steps = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return itertools.repeat(self.batch, self.steps)
+
+
+Epoch = Callable[[int], Iterable[Any]]  # n -> something that yields once per delivered step
+
+
+def loader_epochs(loader: CollectiveLoader, source: Repeat) -> Epoch:
+    def epoch(n: int) -> Iterable[Any]:
+        source.steps = n
+        return loader
+    return epoch
+
+
+def raw_epochs(nbytes: int, group: dist.ProcessGroup) -> Epoch:
+    """One ``dist.broadcast`` of ``nbytes`` per step into a buffer allocated once: the limit."""
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    return lambda n: (dist.broadcast(buf, LEADER, group=group) for _ in range(n))
+
+
+def raw_pair_epochs(nbytes: int, group: dist.ProcessGroup) -> Epoch:
+    """A header-sized broadcast (``wire.HEADER_WORDS`` int64 words), then one of ``nbytes``, both into
+    buffers allocated once: the floor of any protocol that sends a header and a payload per step."""
+    header = torch.zeros(wire.HEADER_WORDS, dtype=torch.int64)
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def step() -> None:
+        dist.broadcast(header, LEADER, group=group)
+        dist.broadcast(buf, LEADER, group=group)
+
+    return lambda n: (step() for _ in range(n))
+
+
+def per_tensor_step(batch: dict[str, torch.Tensor], group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Megatron's ``get_batch_on_this_tp_rank`` pattern: the shapes in one int64 broadcast, then one
+    synchronous broadcast per tensor into a fresh tensor. Receivers know the keys and dtypes."""
+    if dist.get_rank() == LEADER:
+        dist.broadcast(torch.tensor([list(t.shape) for t in batch.values()]), LEADER, group=group)
+        for t in batch.values():
+            dist.broadcast(t, LEADER, group=group)
+        return batch
+    shapes = torch.empty(len(batch), 2, dtype=torch.int64)
+    dist.broadcast(shapes, LEADER, group=group)
+    out = {}
+    for (key, t), shape in zip(batch.items(), shapes.tolist()):
+        out[key] = torch.empty(shape, dtype=t.dtype)
+        dist.broadcast(out[key], LEADER, group=group)
+    return out
+
+
+def per_tensor_epochs(batch: dict[str, torch.Tensor], group: dist.ProcessGroup) -> Epoch:
+    return lambda n: (per_tensor_step(batch, group) for _ in range(n))
+
+
+# --- timing ---------------------------------------------------------------------------------
+
+
+def timed_epoch(epoch: Epoch, n: int, compute: float = 0.0) -> tuple[list[float], list[float]]:
+    """This rank's step times and time spent inside ``next`` for ``n`` steps after ``SKIP``.
+
+    ``compute`` seconds of sleep follow every step (the training loop's work)."""
+    dist.barrier()
+    it = iter(epoch(n + SKIP))
+    steps: list[float] = []
+    waits: list[float] = []
+    last = time.perf_counter()
+    while True:
+        start = time.perf_counter()
+        try:
+            next(it)
+        except StopIteration:
+            break
+        now = time.perf_counter()
+        steps.append(now - last)
+        waits.append(now - start)
+        last = now
+        if compute:
+            time.sleep(compute)
+    return steps[SKIP:], waits[SKIP:]
+
+
+def gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def slowest(values: list[float]) -> list[float]:
+    """Per step, the largest value over the ranks of the world."""
+    return [max(v) for v in zip(*gather(values))]
+
+
+def in_rounds(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[Any]]:
+    """Each run's result once per round; the order of the runs rotates every round."""
+    names = list(runs)
+    out: dict[str, list[Any]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            out[name].append(runs[name]())
+    return out
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    return {"p50": float(np.percentile(seconds, 50)), "p95": float(np.percentile(seconds, 95)),
+            "mean": float(np.mean(seconds))}
+
+
+def stats_per_step(loader: CollectiveLoader, source: Repeat) -> dict[str, Any]:
+    """This rank's role and ``loader.stats()`` per step: the difference of two untimed epochs of
+    2 and 6 steps, so each epoch's end-of-data header cancels out."""
+    totals = []
+    for n in (2, 6):
+        before = loader.stats()
+        source.steps = n
+        for _ in loader:
+            pass
+        totals.append({k: v - before[k] for k, v in loader.stats().items()})
+    role = "leader" if loader.is_leader else loader.place.stage
+    return {"rank": dist.get_rank(), "role": role, **{k: (totals[1][k] - totals[0][k]) / 4 for k in totals[0]}}
+
+
+# --- the delivery world ---------------------------------------------------------------------
+
+
+def profile_step(batch: dict[str, torch.Tensor], group: dist.ProcessGroup) -> dict[str, float]:
+    """One synchronous step of the loader's protocol, rebuilt from ``wire`` and timed by phase.
+
+    Leader: pack (plan, allocate, write), header broadcast, payload broadcast. Receivers: header
+    (includes waiting for the leader's pack), payload into a fresh buffer, unpack."""
+    t0 = time.perf_counter()
+    if dist.get_rank() == LEADER:
+        plan = wire.plan(batch)
+        buf = torch.empty(plan.nbytes, dtype=torch.uint8)
+        wire.write(plan, buf)
+        t1 = time.perf_counter()
+        dist.broadcast(Header(Kind.DATA, 0, plan.nbytes, len(plan.meta)).encode(), LEADER, group=group)
+        t2 = time.perf_counter()
+        dist.broadcast(buf, LEADER, group=group)
+        t3 = t4 = time.perf_counter()
+    else:
+        t1 = t0
+        words = torch.empty(wire.HEADER_WORDS, dtype=torch.int64)
+        dist.broadcast(words, LEADER, group=group)
+        header = Header.decode(words, 1 << 32)
+        t2 = time.perf_counter()
+        buf = torch.empty(header.payload_nbytes, dtype=torch.uint8)
+        dist.broadcast(buf, LEADER, group=group)
+        t3 = time.perf_counter()
+        wire.unpack(buf, header.meta_nbytes)
+        t4 = time.perf_counter()
+    return {"pack": t1 - t0, "header": t2 - t1, "payload": t3 - t2, "unpack": t4 - t3, "step": t4 - t0}
+
+
+def profile_epoch(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, n: int) -> dict[str, list[float]]:
+    """Per step: the leader's pack, header and payload times, the slowest receiver's unpack, and
+    the slowest rank's whole step."""
+    dist.barrier()
+    mine = [profile_step(batch, group) for _ in range(n + SKIP)][SKIP:]
+    ranks = gather(mine)
+    receivers = [r for i, r in enumerate(ranks) if i != LEADER]
+    out = {phase: [s[phase] for s in ranks[LEADER]] for phase in ("pack", "header", "payload")}
+    out["unpack"] = [max(r[i]["unpack"] for r in receivers) for i in range(n)]
+    out["step"] = [max(r[i]["step"] for r in ranks) for i in range(n)]
+    return out
+
+
+def delivery_case(s: Settings, mesh: Any, group: dist.ProcessGroup, nbytes: int, n_tensors: int) -> dict[str, Any]:
+    """Every variant for one batch, in rounds; then the overlap runs for the overlap payloads."""
+    batch = make_batch(nbytes, n_tensors)
+    sources = {name: Repeat(batch) for name in LOADERS}
+    loaders = {
+        name: CollectiveLoader(sources[name], mesh, inputs=tuple(batch), labels=(), prefetch=p, timeout=TIMEOUT)
+        for name, p in LOADERS.items()
+    }
+    stats = {name: gather(stats_per_step(loaders[name], sources[name])) for name in LOADERS}
+    epochs = {name: loader_epochs(loaders[name], sources[name]) for name in LOADERS}
+    epochs["raw"] = raw_epochs(tensor_bytes(batch), group)
+    epochs["raw_pair"] = raw_pair_epochs(tensor_bytes(batch), group)
+    epochs["per_tensor"] = per_tensor_epochs(batch, group)
+    n = s.steps(nbytes)
+    runs: dict[str, Callable[[], Any]] = {
+        name: (lambda e=e: slowest(timed_epoch(e, n)[0])) for name, e in epochs.items()
+    }
+    runs["profile"] = lambda: profile_epoch(batch, group, max(s.min_steps, n // 2))
+    record: dict[str, Any] = {
+        "kind": "delivery", "payload": nbytes, "n_tensors": n_tensors, "tensor_bytes": tensor_bytes(batch),
+        "wire_bytes": wire.plan(batch).nbytes, "steps": n, "stats": stats, "rounds": in_rounds(runs, s.rounds),
+    }
+    if n_tensors == len(MIXED) and nbytes in s.overlap_payloads:
+        record["overlap"] = overlap(s, epochs, record["rounds"]["loader_p1"], nbytes)
+    for loader in loaders.values():
+        loader.close()
+    return record
+
+
+def overlap(s: Settings, epochs: dict[str, Epoch], sync_rounds: list[list[float]], nbytes: int) -> dict[str, Any]:
+    """Slowest-rank wait inside ``next`` per step, with 1x and 2x the synchronous delivery time of
+    compute per step; that time is the median over rounds of the ``prefetch=1`` p50."""
+    sync = statistics.median(summary(r)["p50"] for r in sync_rounds)
+    n = max(s.min_steps, s.steps(nbytes) // 2)
+    runs = {
+        f"{name} x{factor}": (lambda e=epochs[name], c=factor * sync: slowest(timed_epoch(e, n, c)[1]))
+        for name in LOADERS
+        for factor in (1, 2)
+    }
+    return {"sync_delivery": sync, "steps": n, "waits": in_rounds(runs, s.rounds)}
+
+
+def delivery_main(s: Settings) -> int:
+    """Rank entry of the 4-rank world: every payload, 1 tensor then 6 mixed tensors."""
+    names, shape = DELIVERY_MESH
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    group = dist.new_group(list(range(dist.get_world_size())))  # the ranks of the loader's delivery group
+    for n_tensors in (1, len(MIXED)):
+        for nbytes in s.payloads:
+            record = delivery_case(s, mesh, group, nbytes, n_tensors)
+            if dist.get_rank() == 0:
+                with open(s.out, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                print(f"delivery: {nbytes} bytes, {n_tensors} tensors done", flush=True)
+    return 0
+
+
+# --- the scale worlds -----------------------------------------------------------------------
+
+
+def scale_main(s: Settings) -> int:
+    """Rank entry of a scale world: constructor time and 1 KiB step time for both prefetch settings."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", SCALE_MESHES[world], mesh_dim_names=("pp", "dp", "tp"))
+    ids = torch.randint(0, 32000, (2, 32))  # 512 bytes of inputs and 512 of labels: 1 KiB per step
+    source = Repeat({"input_ids": ids, "labels": ids.roll(-1, 1)})
+    record: dict[str, Any] = {"kind": "scale", "world": world, "shape": SCALE_MESHES[world], "steps": s.max_steps}
+
+    def run(prefetch: int | None) -> dict[str, Any]:
+        dist.barrier()
+        start = time.perf_counter()
+        loader = CollectiveLoader(source, mesh, inputs=("input_ids",), labels=("labels",), prefetch=prefetch,
+                                  timeout=TIMEOUT)
+        built = max(gather(time.perf_counter() - start))
+        record["group_count"] = loader.group_count
+        stats = gather(stats_per_step(loader, source))
+        steps = slowest(timed_epoch(loader_epochs(loader, source), s.max_steps)[0])
+        loader.close()
+        return {"construct": built, "steps": steps, "stats": stats}
+
+    record["rounds"] = in_rounds({name: (lambda p=p: run(p)) for name, p in LOADERS.items()}, s.rounds)
+    if dist.get_rank() == 0:
+        with open(s.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"scale: {world} ranks done", flush=True)
+    return 0
+
+
+# --- layout table (no processes) ------------------------------------------------------------
+
+
+def layout_row(pp: int, dp: int, cp: int, tp: int) -> dict[str, Any]:
+    """Groups and collectives per step of a mesh, from the layout code.
+
+    A leader runs one all-reduce among the leaders (when there are several), then per delivery
+    group a header broadcast and a payload collective (first and last stage) or a header only
+    (middle stages); a receiver takes part in its own group's collectives."""
+    layout = MeshLayout.build(("pp", "dp", "cp", "tp"), (pp, dp, cp, tp), range(pp * dp * cp * tp))
+    per_group = {name: 1 if name == "middle" else 2 for name, _ in layout.replica_groups()[0].all()}
+    return {
+        "pp": pp, "dp": dp, "cp": cp, "tp": tp, "gpus": pp * dp * cp * tp,
+        "groups": group_count(layout.dp_size, layout.pp_size),
+        "leader": int(len(layout.leaders()) > 1) + sum(per_group.values()),
+        "receiver": per_group,
+    }
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+def ratio(rounds: dict[str, list[list[float]]], num: str, den: str) -> float:
+    """Median over rounds of the per-round ratio of p50s."""
+    return statistics.median(summary(a)["p50"] / summary(b)["p50"] for a, b in zip(rounds[num], rounds[den]))
+
+
+def p50_p95(series: list[list[float]]) -> str:
+    """``p50 (p95)`` in ms, each the median over rounds."""
+    p50 = statistics.median(summary(r)["p50"] for r in series)
+    p95 = statistics.median(summary(r)["p95"] for r in series)
+    return f"{p50 * 1e3:.3f} ({p95 * 1e3:.3f})"
+
+
+def size(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
+
+
+def per_role(stats: list[dict[str, Any]], key: str = "collectives") -> str:
+    """``role: value`` for each distinct role, e.g. ``leader 2, both 2``."""
+    roles: dict[str, set[float]] = {}
+    for s in stats:
+        roles.setdefault(s["role"], set()).add(s[key])
+    return ", ".join(f"{role} {'/'.join(f'{v:g}' for v in sorted(vs))}" for role, vs in roles.items())
+
+
+def delivery_tables(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for n_tensors in sorted({r["n_tensors"] for r in rows}):
+        dtypes = ", ".join(str(d).removeprefix("torch.") for d in MIXED[:n_tensors])
+        mine = [r for r in rows if r["n_tensors"] == n_tensors]
+        lines += [
+            f"### {n_tensors} tensor{'s' if n_tensors > 1 else ''} ({dtypes}): vs the limit", "",
+            "| payload | wire bytes | steps | loader p=1 | loader default | raw broadcast | raw header + payload | "
+            "p=1 / raw | default / raw | p=1 / raw header + payload | collectives per step (stats) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in mine:
+            rd = r["rounds"]
+            lines.append(
+                f"| {size(r['payload'])} | {r['wire_bytes']} | {r['steps']} | {p50_p95(rd['loader_p1'])} | "
+                f"{p50_p95(rd['loader_default'])} | {p50_p95(rd['raw'])} | {p50_p95(rd['raw_pair'])} | "
+                f"{ratio(rd, 'loader_p1', 'raw'):.2f} | {ratio(rd, 'loader_default', 'raw'):.2f} | "
+                f"{ratio(rd, 'loader_p1', 'raw_pair'):.2f} | {per_role(r['stats']['loader_p1'])} |"
+            )
+        lines += [
+            "", f"### {n_tensors} tensor{'s' if n_tensors > 1 else ''}: vs the per-tensor pattern "
+            f"({n_tensors + 1} collectives per step)", "",
+            "| payload | per-tensor | loader p=1 | loader default | per-tensor / p=1 | per-tensor / default |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in mine:
+            rd = r["rounds"]
+            lines.append(
+                f"| {size(r['payload'])} | {p50_p95(rd['per_tensor'])} | {p50_p95(rd['loader_p1'])} | "
+                f"{p50_p95(rd['loader_default'])} | {ratio(rd, 'per_tensor', 'loader_p1'):.2f} | "
+                f"{ratio(rd, 'per_tensor', 'loader_default'):.2f} |"
+            )
+        lines.append("")
+    return lines
+
+
+def profile_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| batch | payload | leader pack | leader header bcast | leader payload bcast | receiver unpack | "
+        "rebuilt step | loader p=1 step | raw broadcast | loader p=1 - rebuilt |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        prof = r["rounds"]["profile"]
+        med = {k: statistics.median(summary(p[k])["p50"] for p in prof) * 1e3 for k in prof[0]}
+        loader = statistics.median(summary(x)["p50"] for x in r["rounds"]["loader_p1"]) * 1e3
+        raw = statistics.median(summary(x)["p50"] for x in r["rounds"]["raw"]) * 1e3
+        lines.append(
+            f"| {r['n_tensors']} t | {size(r['payload'])} | {med['pack']:.3f} | {med['header']:.3f} | "
+            f"{med['payload']:.3f} | {med['unpack']:.3f} | {med['step']:.3f} | {loader:.3f} | {raw:.3f} | "
+            f"{loader - med['step']:+.3f} |"
+        )
+    return lines + [""]
+
+
+def overlap_summary(r: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per run: mean and p95 exposed wait, as a fraction of the synchronous delivery time."""
+    sync = r["overlap"]["sync_delivery"]
+    return {
+        name: {
+            "mean": statistics.median(summary(w)["mean"] for w in waits) / sync,
+            "p95": statistics.median(summary(w)["p95"] for w in waits) / sync,
+        }
+        for name, waits in r["overlap"]["waits"].items()
+    }
+
+
+def overlap_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| payload | sync delivery (p=1 p50) | its mean | compute / step | prefetch | exposed wait, mean | "
+        "mean / sync | p95 / sync |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sync = r["overlap"]["sync_delivery"]
+        sync_mean = statistics.median(summary(x)["mean"] for x in r["rounds"]["loader_p1"])
+        for name, frac in overlap_summary(r).items():
+            variant, factor = name.split(" x")
+            prefetch = "1" if variant == "loader_p1" else "default (2)"
+            lines.append(
+                f"| {size(r['payload'])} | {sync * 1e3:.3f} ms | {sync_mean * 1e3:.3f} ms | "
+                f"{factor} x sync = {int(factor) * sync * 1e3:.3f} ms | {prefetch} | {frac['mean'] * sync * 1e3:.3f} ms | {frac['mean']:.1%} | {frac['p95']:.1%} |"
+            )
+    return lines + [""]
+
+
+def scale_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| ranks | mesh (pp, dp, tp) | groups | constructor p=1 / default (median) | step p=1 p50 (p95) | "
+        "step default p50 (p95) | collectives per step (stats: delivery groups only) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        rd = r["rounds"]
+        built = {n: statistics.median(x["construct"] for x in rd[n]) * 1e3 for n in LOADERS}
+        steps = {n: [x["steps"] for x in rd[n]] for n in LOADERS}
+        lines.append(
+            f"| {r['world']} | {tuple(r['shape'])} | {r['group_count']} | {built['loader_p1']:.1f} / "
+            f"{built['loader_default']:.1f} ms | {p50_p95(steps['loader_p1'])} | {p50_p95(steps['loader_default'])} | "
+            f"{per_role(rd['loader_p1'][0]['stats'])} |"
+        )
+    return lines + [""]
+
+
+def layout_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| GPUs | pp | dp | cp | tp | groups (`group_count`) | leader | first-stage receiver | "
+        "last-stage receiver | middle-stage receiver |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        recv = r["receiver"]
+        first = recv.get("first", "-")
+        last = recv.get("last", "(= first)" if r["pp"] == 1 else "-")
+        lines.append(
+            f"| {r['gpus']} | {r['pp']} | {r['dp']} | {r['cp']} | {r['tp']} | {r['groups']} | {r['leader']} | "
+            f"{first} | {last} | {recv.get('middle', '-')} |"
+        )
+    return lines + [""]
+
+
+def targets(delivery: list[dict[str, Any]]) -> list[str]:
+    """One line per target: met or missed, with the measured ratios."""
+
+    def line(name: str, values: list[tuple[str, float]], ok: Callable[[float], bool]) -> str:
+        if not values:
+            return f"- {name}: not measured in this run"
+        verdict = "met" if all(ok(v) for _, v in values) else "MISSED"
+        return f"- {name}: **{verdict}** ({', '.join(f'{k} {v:.2f}' for k, v in values)})"
+
+    def ratios(pick: Callable[[dict], bool], num: str, den: str) -> list[tuple[str, float]]:
+        return [(f"{r['n_tensors']}t {size(r['payload'])}", ratio(r["rounds"], num, den)) for r in delivery if pick(r)]
+
+    waits = [
+        (f"{size(r['payload'])} {name}", frac["mean"])
+        for r in delivery if "overlap" in r
+        for name, frac in overlap_summary(r).items()
+    ]
+    return [
+        line("loader (p=1) <= 1.15x raw broadcast at >= 1 MiB",
+             ratios(lambda r: r["payload"] >= MIB, "loader_p1", "raw"), lambda v: v <= 1.15),
+        line("loader (p=1) <= 2x raw broadcast at 1 KiB",
+             ratios(lambda r: r["payload"] == KIB, "loader_p1", "raw"), lambda v: v <= 2),
+        line("per-tensor / loader (p=1) >= 3 for 6 small tensors (<= 16 KiB)",
+             ratios(lambda r: r["n_tensors"] == 6 and r["payload"] <= 16 * KIB, "per_tensor", "loader_p1"),
+             lambda v: v >= 3),
+        line("exposed wait (mean) <= 10% of synchronous delivery when compute >= delivery time", waits,
+             lambda v: v <= 0.10),
+        "",
+    ]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    delivery = results["delivery"]
+    lines = [
+        "# Delivery time (gloo, this machine)", "",
+        f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; Python {meta['python']}. "
+        f"`{meta['command']}` ran {meta['seconds']:.0f} s; load average {meta['load_before']} before, "
+        f"{meta['load_after']} after (other processes share the cores).", "",
+        "Every figure compared is measured side by side in one world: each variant runs one epoch in turn, "
+        f"{meta['rounds']} rounds, the order rotating each round. A step's time is the slowest rank's time between "
+        f"two consecutive batches (first {SKIP} steps of each epoch left out); p50 (p95) in ms, each the median over "
+        "rounds; ratios are medians over rounds of the per-round ratio of p50s. No compute, no loading: the source "
+        "yields one pre-built batch.", "",
+        "## Targets", "", *targets(delivery),
+        "## Delivery vs raw broadcast and vs the per-tensor pattern", "",
+        "Mesh (dp, tp) = (1, 4): one leader, three receivers, one delivery group of 4 ranks. *raw broadcast*: one "
+        "`dist.broadcast` of the batch's tensor bytes per step over a `dist.new_group` of the same 4 ranks, into a "
+        "buffer allocated once (the transport's limit). *raw header + payload*: a 64-byte broadcast then that one, "
+        "both into buffers allocated once (the floor of a protocol with a header). *per-tensor*: Megatron's "
+        "`get_batch_on_this_tp_rank` pattern, one int64 broadcast of the shapes then one broadcast per tensor into fresh tensors (n + 1 collectives). "
+        "*loader p=1*: `prefetch=1`, the synchronous delivery time; *loader default*: `prefetch=2`. Collectives per "
+        "step come from `loader.stats()` (difference of a 2- and a 6-step epoch).", "",
+        *delivery_tables(delivery),
+        "## Where a step's time goes", "",
+        "One synchronous step rebuilt in the benchmark from the package's public wire pieces (`wire.plan`, "
+        "`wire.write` into a fresh buffer, `Header.encode`/`decode`, `wire.unpack`) and two `dist.broadcast` calls "
+        "over the raw group, timed by phase with `time.perf_counter` (p50 ms, median over rounds, run in the same "
+        "rotation). *rebuilt step* is the slowest rank's whole step; the last column is what the loader adds on top "
+        "(its transfer thread, queue hand-off, routing).", "",
+        *profile_table(delivery),
+        "## Overlap", "",
+        "The training loop sleeps a fixed time per step (1x and 2x the synchronous delivery time, i.e. the p=1 p50 "
+        "above, measured just before in the same world); the exposed wait is the time spent inside `next(it)`, "
+        "slowest rank per step. 6-tensor batches.", "",
+        *overlap_table([r for r in delivery if "overlap" in r]),
+        "## Scale", "",
+        "Constructor time (slowest rank, `CollectiveLoader(...)` alone) and 1 KiB step time (512 B of inputs to the "
+        "first stage, 512 B of labels to the last) as the world grows. These worlds run 2 to 16 processes on "
+        f"{os.cpu_count()} cores, so times past 2 ranks measure oversubscription as much as the loader. The stats "
+        "column counts header and payload collectives of the delivery groups; the leaders' all-reduce (dp > 1) is "
+        "not in `stats()`.", "",
+        *scale_table(results["scale"]),
+        "### Groups and collectives per step, from the layout code", "",
+        "No processes: `layout.group_count(dp, pp)` and `MeshLayout(...).replica_groups()`. Derivation: a leader does "
+        "1 all-reduce among leaders (when dp > 1), plus for each delivery group of the first and last stage one "
+        "header broadcast and one payload collective (with pp = 1 there is one such group), plus one header broadcast "
+        "to the middle stages (when pp > 2). A receiver does 2 (header + payload) on the first or last stage and 1 "
+        "(header) on a middle stage. None of this grows with tp or cp.", "",
+        *layout_table(results["layout"]),
+    ]
+    return "\n".join(lines)
+
+
+def plot_payloads(plt: Any, delivery: list[dict[str, Any]], path: str) -> None:
+    """p50 per step vs payload for every variant, and the ratios to raw broadcast."""
+    kinds = sorted({r["n_tensors"] for r in delivery})
+    fig, axes = plt.subplots(2, len(kinds), figsize=(6 * len(kinds), 8), squeeze=False)
+    variants = ("loader_p1", "loader_default", "raw", "raw_pair", "per_tensor")
+    for col, n_tensors in enumerate(kinds):
+        rows = [r for r in delivery if r["n_tensors"] == n_tensors]
+        x = [r["payload"] for r in rows]
+        for v in variants:
+            y = [statistics.median(summary(s)["p50"] for s in r["rounds"][v]) * 1e3 for r in rows]
+            axes[0][col].loglog(x, y, marker="o", label=v)
+            if v != "raw":
+                axes[1][col].semilogx(x, [ratio(r["rounds"], v, "raw") for r in rows], marker="o", label=f"{v} / raw")
+        for target in (1.15, 2.0):
+            axes[1][col].axhline(target, color="grey", linestyle=":", linewidth=1)
+        axes[0][col].set(title=f"{n_tensors} tensor(s), 4 ranks, gloo", ylabel="ms per step (p50)")
+        axes[1][col].set(xlabel="payload (bytes)", ylabel="ratio to raw broadcast (p50)")
+        for ax in axes[:, col]:
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_scale(plt: Any, scale: list[dict[str, Any]], path: str) -> None:
+    """Constructor time and 1 KiB step time vs world size."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    worlds = [r["world"] for r in scale]
+    for name in LOADERS:
+        built = [statistics.median(x["construct"] for x in r["rounds"][name]) * 1e3 for r in scale]
+        step = [statistics.median(summary(x["steps"])["p50"] for x in r["rounds"][name]) * 1e3 for r in scale]
+        axes[0].plot(worlds, built, marker="o", label=name)
+        axes[1].plot(worlds, step, marker="o", label=name)
+    axes[0].set(xlabel="ranks", ylabel="constructor ms (slowest rank)", title="CollectiveLoader(...)")
+    axes[1].set(xlabel="ranks", ylabel="ms per step (p50)", title="1 KiB batch")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> str:
+    with open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({model}), {ram:.0f} GiB RAM"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny version, under a minute")
+    args = parser.parse_args(argv)
+    import matplotlib  # only the parent plots; ranks never import it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name = "delivery_quick" if args.quick else "delivery"
+    load_before = os.getloadavg()
+    start = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        s = dataclasses.replace(QUICK if args.quick else FULL, out=os.path.join(tmp, "records.jsonl"))
+        worlds = [(delivery_main, 4)] + [(scale_main, n) for n in s.world_sizes]
+        for fn, world in worlds:
+            code = launch.run(fn, s, world, timeout=s.world_timeout)
+            if code:
+                return code
+        with open(s.out) as f:
+            records = [json.loads(line) for line in f]
+    results = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "torch": torch.__version__,
+            "python": platform.python_version(), "command": " ".join(["python bench/delivery.py", *sys.argv[1:]]),
+            "seconds": time.time() - start, "rounds": s.rounds, "skip": SKIP,
+            "load_before": " ".join(f"{x:.1f}" for x in load_before),
+            "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+            "settings": dataclasses.asdict(s) | {"out": None},
+        },
+        "delivery": [r for r in records if r["kind"] == "delivery"],
+        "scale": sorted((r for r in records if r["kind"] == "scale"), key=lambda r: r["world"]),
+        "layout": [layout_row(*m) for m in LAYOUT_MESHES],
+    }
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump(results, f)
+    text = markdown(results)
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write(text + "\n")
+    plot_payloads(plt, results["delivery"], os.path.join(RESULTS, f"{name}_vs_payload.png"))
+    plot_scale(plt, results["scale"], os.path.join(RESULTS, f"{name}_scale.png"))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
