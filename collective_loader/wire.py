@@ -163,7 +163,10 @@ def plan(batch: Mapping[str, Any]) -> Plan:
 
     if not isinstance(batch, Mapping):
         raise BatchError(f"a batch must be a mapping of str to tensors, got {type(batch).__qualname__}")
-    tree = node(batch, "", 0)
+    try:
+        tree = node(batch, "", 0)
+    finally:
+        del node  # the recursive closure is a reference cycle that would hold the batch until gc
     try:
         meta = json.dumps(tree, separators=(",", ":")).encode()
     except (TypeError, ValueError) as e:  # e.g. a circular list
@@ -261,7 +264,10 @@ def unpack(payload: torch.Tensor, meta_nbytes: int) -> dict[str, Any]:
         except (RuntimeError, TypeError) as e:  # e.g. a storage offset torch cannot view as dtype
             raise WireError(f"tensor of shape {shape} at offset {offset} cannot be viewed: {e}") from None
 
-    result = node(tree, 0)
+    try:
+        result = node(tree, 0)
+    finally:
+        del node  # the recursive closure is a reference cycle that would hold the payload until gc
     if not isinstance(result, dict):
         raise WireError("batch description is not a mapping")
     return result
