@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import json
 import os
@@ -84,7 +85,7 @@ FULL = Settings(
     world_sizes=(2, 4, 8, 16), rounds=3, max_steps=100, min_steps=8, world_timeout=1200,
 )
 QUICK = Settings(
-    payloads=(KIB, 16 * KIB, MIB), overlap_payloads=(16 * KIB,), world_sizes=(2, 4),
+    payloads=(KIB, MIB), overlap_payloads=(KIB,), world_sizes=(2, 4),
     rounds=2, max_steps=20, min_steps=6, world_timeout=300,
 )
 
@@ -179,6 +180,7 @@ def timed_epoch(epoch: Epoch, n: int, compute: float = 0.0) -> tuple[list[float]
     """This rank's step times and time spent inside ``next`` for ``n`` steps after ``SKIP``.
 
     ``compute`` seconds of sleep follow every step (the training loop's work)."""
+    gc.collect()  # frees the payloads that wire.unpack's reference cycles hold from the last epoch
     dist.barrier()
     it = iter(epoch(n + SKIP))
     steps: list[float] = []
@@ -276,6 +278,7 @@ def profile_step(batch: dict[str, torch.Tensor], group: dist.ProcessGroup) -> di
 def profile_epoch(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, n: int) -> dict[str, list[float]]:
     """Per step: the leader's pack, header and payload times, the slowest receiver's unpack, and
     the slowest rank's whole step."""
+    gc.collect()
     dist.barrier()
     mine = [profile_step(batch, group) for _ in range(n + SKIP)][SKIP:]
     ranks = gather(mine)
@@ -501,7 +504,8 @@ def overlap_table(rows: list[dict[str, Any]]) -> list[str]:
             prefetch = "1" if variant == "loader_p1" else "default (2)"
             lines.append(
                 f"| {size(r['payload'])} | {sync * 1e3:.3f} ms | {sync_mean * 1e3:.3f} ms | "
-                f"{factor} x sync = {int(factor) * sync * 1e3:.3f} ms | {prefetch} | {frac['mean'] * sync * 1e3:.3f} ms | {frac['mean']:.1%} | {frac['p95']:.1%} |"
+                f"{factor} x sync = {int(factor) * sync * 1e3:.3f} ms | {prefetch} | "
+                f"{frac['mean'] * sync * 1e3:.3f} ms | {frac['mean']:.1%} | {frac['p95']:.1%} |"
             )
     return lines + [""]
 
@@ -576,50 +580,82 @@ def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     delivery = results["delivery"]
     lines = [
-        "# Delivery time (gloo, this machine)", "",
-        f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; Python {meta['python']}. "
-        f"`{meta['command']}` ran {meta['seconds']:.0f} s; load average {meta['load_before']} before, "
-        f"{meta['load_after']} after (other processes share the cores).", "",
-        "Every figure compared is measured side by side in one world: each variant runs one epoch in turn, "
-        f"{meta['rounds']} rounds, the order rotating each round. A step's time is the slowest rank's time between "
-        f"two consecutive batches (first {SKIP} steps of each epoch left out); p50 (p95) in ms, each the median over "
-        "rounds; ratios are medians over rounds of the per-round ratio of p50s. No compute, no loading: the source "
-        "yields one pre-built batch.", "",
-        "## Targets", "", *targets(delivery),
-        "## Delivery vs raw broadcast and vs the per-tensor pattern", "",
-        "Mesh (dp, tp) = (1, 4): one leader, three receivers, one delivery group of 4 ranks. *raw broadcast*: one "
-        "`dist.broadcast` of the batch's tensor bytes per step over a `dist.new_group` of the same 4 ranks, into a "
-        "buffer allocated once (the transport's limit). *raw header + payload*: a 64-byte broadcast then that one, "
-        "both into buffers allocated once (the floor of a protocol with a header). *per-tensor*: Megatron's "
-        "`get_batch_on_this_tp_rank` pattern, one int64 broadcast of the shapes then one broadcast per tensor into fresh tensors (n + 1 collectives). "
-        "*loader p=1*: `prefetch=1`, the synchronous delivery time; *loader default*: `prefetch=2`. Collectives per "
-        "step come from `loader.stats()` (difference of a 2- and a 6-step epoch).", "",
+        "# Delivery time (gloo, this machine)",
+        "",
+        (
+            f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; Python {meta['python']}. "
+            f"`{meta['command']}` ran {meta['seconds']:.0f} s; load average {meta['load_before']} before, "
+            f"{meta['load_after']} after (other processes share the cores)."
+        ),
+        "",
+        (
+            "Every figure compared is measured side by side in one world: each variant runs one epoch in turn, "
+            f"{meta['rounds']} rounds, the order rotating each round. A step's time is the slowest rank's time "
+            f"between two consecutive batches (first {SKIP} steps of each epoch left out); p50 (p95) in ms, each the "
+            "median over rounds; ratios are medians over rounds of the per-round ratio of p50s. No compute, no "
+            "loading: the source yields one pre-built batch. `gc.collect()` runs before every epoch, outside the "
+            "timed steps (`wire.unpack` leaves a reference cycle that holds each payload until the cyclic collector "
+            "runs; without it the 64 MiB cases ran out of memory)."
+        ),
+        "",
+        "## Targets",
+        "",
+        *targets(delivery),
+        "## Delivery vs raw broadcast and vs the per-tensor pattern",
+        "",
+        (
+            "Mesh (dp, tp) = (1, 4): one leader, three receivers, one delivery group of 4 ranks. *raw broadcast*: "
+            "one `dist.broadcast` of the batch's tensor bytes per step over a `dist.new_group` of the same 4 ranks, "
+            "into a buffer allocated once (the transport's limit). *raw header + payload*: a 64-byte broadcast then "
+            "that one, both into buffers allocated once (the floor of any protocol with a header). *per-tensor*: "
+            "Megatron's `get_batch_on_this_tp_rank` pattern, one int64 broadcast of the shapes then one broadcast "
+            "per tensor into fresh tensors (n + 1 collectives). *loader p=1*: `prefetch=1`, the synchronous "
+            "delivery time; *loader default*: `prefetch=2`. Collectives per step come from `loader.stats()` "
+            "(difference of a 2- and a 6-step epoch)."
+        ),
+        "",
         *delivery_tables(delivery),
-        "## Where a step's time goes", "",
-        "One synchronous step rebuilt in the benchmark from the package's public wire pieces (`wire.plan`, "
-        "`wire.write` into a fresh buffer, `Header.encode`/`decode`, `wire.unpack`) and two `dist.broadcast` calls "
-        "over the raw group, timed by phase with `time.perf_counter` (p50 ms, median over rounds, run in the same "
-        "rotation). *rebuilt step* is the slowest rank's whole step; the last column is what the loader adds on top "
-        "(its transfer thread, queue hand-off, routing).", "",
+        "## Where a step's time goes",
+        "",
+        (
+            "One synchronous step rebuilt in the benchmark from the package's public wire pieces (`wire.plan`, "
+            "`wire.write` into a fresh buffer, `Header.encode`/`decode`, `wire.unpack`) and two `dist.broadcast` "
+            "calls over the raw group, timed by phase with `time.perf_counter` (p50 ms, median over rounds, run in "
+            "the same rotation as the variants above). *rebuilt step* is the slowest rank's whole step; the last "
+            "column is what the loader adds on top (its transfer thread, queue hand-off, routing)."
+        ),
+        "",
         *profile_table(delivery),
-        "## Overlap", "",
-        "The training loop sleeps a fixed time per step (1x and 2x the synchronous delivery time, i.e. the p=1 p50 "
-        "above, measured just before in the same world); the exposed wait is the time spent inside `next(it)`, "
-        "slowest rank per step. 6-tensor batches.", "",
+        "## Overlap",
+        "",
+        (
+            "The training loop sleeps a fixed time per step: 1x and 2x the synchronous delivery time (the p=1 p50 "
+            "above, measured just before in the same world). The exposed wait is the time spent inside `next(it)`, "
+            "slowest rank per step, over the synchronous delivery time. 6-tensor batches."
+        ),
+        "",
         *overlap_table([r for r in delivery if "overlap" in r]),
-        "## Scale", "",
-        "Constructor time (slowest rank, `CollectiveLoader(...)` alone) and 1 KiB step time (512 B of inputs to the "
-        "first stage, 512 B of labels to the last) as the world grows. These worlds run 2 to 16 processes on "
-        f"{os.cpu_count()} cores, so times past 2 ranks measure oversubscription as much as the loader. The stats "
-        "column counts header and payload collectives of the delivery groups; the leaders' all-reduce (dp > 1) is "
-        "not in `stats()`.", "",
+        "## Scale",
+        "",
+        (
+            "Constructor time (slowest rank, `CollectiveLoader(...)` alone) and 1 KiB step time (512 B of inputs "
+            "to the first stage, 512 B of labels to the last) as the world grows. These worlds run 2 to 16 processes "
+            f"on {os.cpu_count()} cores, so times past 2 ranks measure oversubscription as much as the loader. The "
+            "stats column counts header and payload collectives of the delivery groups per rank role; the leaders' "
+            "all-reduce (dp > 1) is not in `stats()`."
+        ),
+        "",
         *scale_table(results["scale"]),
-        "### Groups and collectives per step, from the layout code", "",
-        "No processes: `layout.group_count(dp, pp)` and `MeshLayout(...).replica_groups()`. Derivation: a leader does "
-        "1 all-reduce among leaders (when dp > 1), plus for each delivery group of the first and last stage one "
-        "header broadcast and one payload collective (with pp = 1 there is one such group), plus one header broadcast "
-        "to the middle stages (when pp > 2). A receiver does 2 (header + payload) on the first or last stage and 1 "
-        "(header) on a middle stage. None of this grows with tp or cp.", "",
+        "### Groups and collectives per step, from the layout code",
+        "",
+        (
+            "No processes: `layout.group_count(dp, pp)` and `MeshLayout(...).replica_groups()`. Derivation: a "
+            "leader does 1 all-reduce among leaders (when dp > 1), plus for each delivery group of the first and "
+            "last stage one header broadcast and one payload collective (with pp = 1 there is one such group), plus "
+            "one header broadcast to the middle stages (when pp > 2). A receiver does 2 (header + payload) on the "
+            "first or last stage and 1 (header) on a middle stage. None of this grows with tp or cp."
+        ),
+        "",
         *layout_table(results["layout"]),
     ]
     return "\n".join(lines)
