@@ -25,6 +25,7 @@ loading cost is measured.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import gc
 import itertools
@@ -59,6 +60,10 @@ LAYOUT_MESHES = (  # (pp, dp, cp, tp)
     (16, 128, 2, 4),
 )
 LOADERS = {"loader_p1": 1, "loader_default": None}  # variant -> prefetch
+LABELS = {
+    "loader_p1": "loader, prefetch=1", "loader_default": "loader, default prefetch", "raw": "raw broadcast",
+    "raw_pair": "raw header + payload", "per_tensor": "per-tensor pattern",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +90,8 @@ FULL = Settings(
     world_sizes=(2, 4, 8, 16), rounds=3, max_steps=100, min_steps=8, world_timeout=1200,
 )
 QUICK = Settings(
-    payloads=(KIB, MIB), overlap_payloads=(KIB,), world_sizes=(2, 4),
-    rounds=2, max_steps=20, min_steps=6, world_timeout=300,
+    payloads=(KIB, MIB), overlap_payloads=(KIB,), world_sizes=(2,),
+    rounds=2, max_steps=12, min_steps=6, world_timeout=300,
 )
 
 
@@ -377,6 +382,41 @@ def scale_main(s: Settings) -> int:
     return 0
 
 
+# --- buffer cost (this process, no world) -------------------------------------------------
+
+
+BUFFERS = ("reused", "fresh_freed", "fresh_kept")
+
+
+def copy_time(nbytes: int, mode: str, steps: int = 10) -> float:
+    """Median time to write ``nbytes`` into a buffer allocated once (``reused``), or into a fresh one
+    each step that is freed at once (``fresh_freed``) or kept until the end, as a reference cycle
+    keeps it until the collector runs (``fresh_kept``)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    reused = torch.zeros(nbytes, dtype=torch.uint8)
+    kept, times = [], []
+    for _ in range(steps + SKIP):
+        start = time.perf_counter()
+        buf = reused if mode == "reused" else torch.empty(nbytes, dtype=torch.uint8)
+        buf.copy_(src)
+        times.append(time.perf_counter() - start)
+        if mode == "fresh_kept":
+            kept.append(buf)
+    return statistics.median(times[SKIP:])
+
+
+def buffer_costs(s: Settings) -> list[dict[str, Any]]:
+    """Each buffer mode for the payloads of 1 MiB or more, on a worker thread (the loader packs and
+    receives on its transfer thread) with one torch thread like the ranks; the modes alternate."""
+    torch.set_num_threads(1)
+    rows = []
+    with concurrent.futures.ThreadPoolExecutor(1) as worker:
+        for n in (n for n in s.payloads if n >= MIB):
+            runs = {mode: (lambda n=n, mode=mode: worker.submit(copy_time, n, mode).result()) for mode in BUFFERS}
+            rows.append({"payload": n, **in_rounds(runs, s.rounds)})
+    return rows
+
+
 # --- layout table (no processes) ------------------------------------------------------------
 
 
@@ -512,18 +552,37 @@ def overlap_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def scale_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| ranks | mesh (pp, dp, tp) | groups | constructor p=1 / default (median) | step p=1 p50 (p95) | "
-        "step default p50 (p95) | collectives per step (stats: delivery groups only) |",
-        "|---|---|---|---|---|---|---|",
+        (
+            "| ranks | mesh (pp, dp, tp) | groups | constructor p=1 / default (median) | step p=1 p50 (p95) | "
+            "step default p50 (p95) | collectives per step, measured (stats) | from the layout code |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rd = r["rounds"]
         built = {n: statistics.median(x["construct"] for x in rd[n]) * 1e3 for n in LOADERS}
         steps = {n: [x["steps"] for x in rd[n]] for n in LOADERS}
+        pp, dp, tp = r["shape"]
+        derived = layout_row(pp, dp, 1, tp)
+        receivers = ", ".join(f"{name} {k}" for name, k in derived["receiver"].items())
         lines.append(
             f"| {r['world']} | {tuple(r['shape'])} | {r['group_count']} | {built['loader_p1']:.1f} / "
             f"{built['loader_default']:.1f} ms | {p50_p95(steps['loader_p1'])} | {p50_p95(steps['loader_default'])} | "
-            f"{per_role(rd['loader_p1'][0]['stats'])} |"
+            f"{per_role(rd['loader_p1'][0]['stats'])} | leader {derived['leader']}, {receivers} |"
+        )
+    return lines + [""]
+
+
+def buffer_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| payload | buffer allocated once | fresh, freed each step | fresh, kept | freed / once | kept / once |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ms = {mode: statistics.median(r[mode]) * 1e3 for mode in BUFFERS}
+        lines.append(
+            f"| {size(r['payload'])} | {ms['reused']:.2f} ms | {ms['fresh_freed']:.2f} ms | "
+            f"{ms['fresh_kept']:.2f} ms | {ms['fresh_freed'] / ms['reused']:.1f} | {ms['fresh_kept'] / ms['reused']:.1f} |"
         )
     return lines + [""]
 
@@ -626,6 +685,15 @@ def markdown(results: dict[str, Any]) -> str:
         ),
         "",
         *profile_table(delivery),
+        (
+            "What a fresh buffer costs: writing a payload into a `torch.empty(n)` made each step (what the leader's "
+            "pack does; receivers receive into one) vs into a buffer allocated once (what the raw broadcast does). "
+            "A fresh buffer is either freed at once or kept until the end, as `wire.unpack`'s reference cycle keeps "
+            "the loader's buffers until the cyclic collector runs; the loader lies between the two. Worker thread, "
+            "one torch thread, in the parent process after the worlds ended; median of 10 copies, median over rounds."
+        ),
+        "",
+        *buffer_table(results["buffers"]),
         "## Overlap",
         "",
         (
@@ -671,9 +739,10 @@ def plot_payloads(plt: Any, delivery: list[dict[str, Any]], path: str) -> None:
         x = [r["payload"] for r in rows]
         for v in variants:
             y = [statistics.median(summary(s)["p50"] for s in r["rounds"][v]) * 1e3 for r in rows]
-            axes[0][col].loglog(x, y, marker="o", label=v)
+            axes[0][col].loglog(x, y, marker="o", label=LABELS[v])
             if v != "raw":
-                axes[1][col].semilogx(x, [ratio(r["rounds"], v, "raw") for r in rows], marker="o", label=f"{v} / raw")
+                ratios = [ratio(r["rounds"], v, "raw") for r in rows]
+                axes[1][col].semilogx(x, ratios, marker="o", label=f"{LABELS[v]} / raw broadcast")
         for target in (1.15, 2.0):
             axes[1][col].axhline(target, color="grey", linestyle=":", linewidth=1)
         axes[0][col].set(title=f"{n_tensors} tensor(s), 4 ranks, gloo", ylabel="ms per step (p50)")
@@ -693,8 +762,8 @@ def plot_scale(plt: Any, scale: list[dict[str, Any]], path: str) -> None:
     for name in LOADERS:
         built = [statistics.median(x["construct"] for x in r["rounds"][name]) * 1e3 for r in scale]
         step = [statistics.median(summary(x["steps"])["p50"] for x in r["rounds"][name]) * 1e3 for r in scale]
-        axes[0].plot(worlds, built, marker="o", label=name)
-        axes[1].plot(worlds, step, marker="o", label=name)
+        axes[0].plot(worlds, built, marker="o", label=LABELS[name])
+        axes[1].plot(worlds, step, marker="o", label=LABELS[name])
     axes[0].set(xlabel="ranks", ylabel="constructor ms (slowest rank)", title="CollectiveLoader(...)")
     axes[1].set(xlabel="ranks", ylabel="ms per step (p50)", title="1 KiB batch")
     for ax in axes:
@@ -746,6 +815,7 @@ def main(argv: list[str] | None = None) -> int:
         "delivery": [r for r in records if r["kind"] == "delivery"],
         "scale": sorted((r for r in records if r["kind"] == "scale"), key=lambda r: r["world"]),
         "layout": [layout_row(*m) for m in LAYOUT_MESHES],
+        "buffers": buffer_costs(s),
     }
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
