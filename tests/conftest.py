@@ -1,4 +1,4 @@
-"""Shared fixtures: one gloo world alive at a time, reused across tests and modules."""
+"""Shared fixtures: one gloo world alive at a time, reused by the tests of a module."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ class Worlds:
             self._world.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def worlds():
+    # per module: an idle world still costs CPU, which the subprocess tests of other modules need
     w = Worlds()
     yield w
     w.close()
