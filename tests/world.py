@@ -16,6 +16,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+STARTUP_TIMEOUT = 300.0
+
 
 def _worker(rank: int, size: int, init_file: str, tasks: mp.Queue, results: mp.Queue) -> None:
     os.environ.update(
@@ -27,6 +29,7 @@ def _worker(rank: int, size: int, init_file: str, tasks: mp.Queue, results: mp.Q
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    results.put((rank, True, "ready"))
     while True:
         task = tasks.get()
         if task is None:
@@ -59,6 +62,14 @@ class World:
         ]
         for p in self._procs:
             p.start()
+        # starting many ranks on two cores takes a while: that is not the tested function's time
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        for _ in range(self.size):
+            try:
+                self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.kill()
+                raise TimeoutError(f"a world of {self.size} ranks did not start within {STARTUP_TIMEOUT}s") from None
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; raise with every failing rank's traceback,
