@@ -190,7 +190,7 @@ def timed_epoch(epoch: Epoch, n: int, compute: float = 0.0) -> tuple[list[float]
     """This rank's step times and time spent inside ``next`` for ``n`` steps after ``SKIP``.
 
     ``compute`` seconds of sleep follow every step (the training loop's work)."""
-    gc.collect()  # frees the payloads that wire.unpack's reference cycles hold from the last epoch
+    gc.collect()  # the last run's garbage is not collected inside this run's timed steps
     dist.barrier()
     it = iter(epoch(n + SKIP))
     steps: list[float] = []
@@ -395,8 +395,8 @@ BUFFERS = ("reused", "fresh_freed", "fresh_kept")
 
 def copy_time(nbytes: int, mode: str, steps: int = 10) -> float:
     """Median time to write ``nbytes`` into a buffer allocated once (``reused``), or into a fresh one
-    each step that is freed at once (``fresh_freed``) or kept until the end, as a reference cycle
-    keeps it until the collector runs (``fresh_kept``)."""
+    each step that is freed at once (``fresh_freed``) or kept until the end (``fresh_kept``: as a loop
+    that holds on to its batches, or a reference cycle, keeps them)."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     reused = torch.zeros(nbytes, dtype=torch.uint8)
     kept, times = [], []
@@ -587,7 +587,8 @@ def buffer_table(rows: list[dict[str, Any]]) -> list[str]:
         ms = {mode: statistics.median(r[mode]) * 1e3 for mode in BUFFERS}
         lines.append(
             f"| {size(r['payload'])} | {ms['reused']:.2f} ms | {ms['fresh_freed']:.2f} ms | "
-            f"{ms['fresh_kept']:.2f} ms | {ms['fresh_freed'] / ms['reused']:.1f} | {ms['fresh_kept'] / ms['reused']:.1f} |"
+            f"{ms['fresh_kept']:.2f} ms | {ms['fresh_freed'] / ms['reused']:.1f} | "
+            f"{ms['fresh_kept'] / ms['reused']:.1f} |"
         )
     return lines + [""]
 
@@ -658,8 +659,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"between two consecutive batches (first {SKIP} steps of each epoch left out); p50 (p95) in ms, each the "
             "median over rounds; ratios are medians over rounds of the per-round ratio of p50s. No compute, no "
             "loading: the source yields one pre-built batch. `gc.collect()` runs before every epoch, outside the "
-            "timed steps (`wire.unpack` leaves a reference cycle that holds each payload until the cyclic collector "
-            "runs; without it the 64 MiB cases ran out of memory)."
+            "timed steps."
         ),
         "",
         "## Targets",
@@ -693,9 +693,9 @@ def markdown(results: dict[str, Any]) -> str:
         (
             "What a fresh buffer costs: writing a payload into a `torch.empty(n)` made each step (what the leader's "
             "pack does; receivers receive into one) vs into a buffer allocated once (what the raw broadcast does). "
-            "A fresh buffer is either freed at once or kept until the end, as `wire.unpack`'s reference cycle keeps "
-            "the loader's buffers until the cyclic collector runs; the loader lies between the two. Worker thread, "
-            "one torch thread, in the parent process after the worlds ended; median of 10 copies, median over rounds."
+            "A fresh buffer is either freed at once (the loader's, once the loop drops the batch) or kept until the "
+            "end (a loop that holds on to its batches). Worker thread, one torch thread, in the parent process after "
+            "the worlds ended; median of 10 copies, median over rounds."
         ),
         "",
         *buffer_table(results["buffers"]),
