@@ -27,7 +27,7 @@ from collective_loader.errors import BatchError, ConfigMismatchError, DeliveryEr
 from collective_loader.layout import MeshLayout
 from collective_loader.routing import Routing
 from collective_loader.sharding import Layout
-from collective_loader.wire import Header, Kind
+from collective_loader.wire import Kind
 
 Delivery = Literal["broadcast", "scatter"]
 Batch = dict[str, Any]
@@ -110,7 +110,12 @@ class CollectiveLoader:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         self.timeout = float(timeout)
         self.max_batch_bytes = int(max_batch_bytes)
-        self._groups = transport.build_groups(self.mesh_layout, self.place, self.timeout)
+        # a buffer per step in flight (the queue, the loop's batch, the one being filled) per
+        # distinct scatter part; a loop that keeps batches makes the pool allocate, never overwrite
+        parts = len({self.mesh_layout.place(r).shard for r in self.mesh_layout.ranks}) if delivery == "scatter" else 1
+        self._groups = transport.build_groups(
+            self.mesh_layout, self.place, self.timeout, delivery == "scatter", (self.prefetch + 2) * parts
+        )
         self._check_same_config()
         self._source = self._build_source(source)
         self._epoch: _Epoch | None = None
@@ -231,12 +236,10 @@ class CollectiveLoader:
         }
         channel = self._groups.replica
         if self.is_leader:
-            payload, meta_nbytes = wire.pack(state)
-            channel.send_header(Header(Kind.DATA, state["steps"], payload.numel(), meta_nbytes))
-            channel.send_payload(payload)
+            channel.send_plan(Kind.DATA, state["steps"], wire.plan(state))
             return state
-        header = channel.recv_header(self.max_batch_bytes)
-        leader_state = wire.unpack(channel.recv_payload(header.payload_nbytes, scattered=False), header.meta_nbytes)
+        header, payload = channel.recv(self.max_batch_bytes)
+        leader_state = wire.unpack(payload, header.meta_nbytes)
         if leader_state["steps"] != state["steps"] or leader_state["epoch"] != state["epoch"]:
             raise RuntimeError(
                 f"rank {self.place.rank} asked for the loader state at epoch {state['epoch']} step {state['steps']}, "
@@ -387,7 +390,7 @@ class _Epoch(Iterator[Batch]):
             batch = next(self._source_iter)
             source_state = loader._source.state_dict() if hasattr(loader._source, "state_dict") else None
             loader.routing.check(batch)
-            parts = {name: self._pack(ch, batch) for name, ch in groups.channels.items() if name != "middle"}
+            parts = {name: self._pack(ch, step, batch) for name, ch in groups.channels.items() if name != "middle"}
         except StopIteration:
             kind = Kind.END
         except BatchError as e:
@@ -413,17 +416,15 @@ class _Epoch(Iterator[Batch]):
         if kind != Kind.END:
             dp = loader.mesh_layout.leaders().index(origin)
             text = f"leader rank {origin} (dp_rank {dp}) failed at step {step}: {message}"
-            error_payload, meta_nbytes = wire.pack({"message": text})
             for channel in groups.channels.values():
-                channel.send_header(Header(kind, step, error_payload.numel(), meta_nbytes))
-                channel.send_payload(error_payload.to(channel.device))
+                channel.send_plan(kind, step, wire.plan({"message": text}))
             error = _error(kind, text)
             if origin == place.rank and cause is not None:
                 error.__cause__ = cause
             self._queue.put(_Item(kind, error=error))
             return kind
         for channel in groups.channels.values():
-            channel.send_header(Header(Kind.END, step, 0, 0))
+            channel.send_plan(Kind.END, step)
         self._queue.put(_Item(Kind.END))
         return kind
 
@@ -458,68 +459,61 @@ class _Epoch(Iterator[Batch]):
                 next(it)
         return it
 
-    def _pack(self, channel: transport.Channel, batch: Mapping[str, Any]) -> tuple[Header | None, Any, Batch]:
-        """``(header, payload or per-rank parts, leader's own batch)`` for one channel."""
+    def _pack(self, channel: transport.Channel, step: int, batch: Mapping[str, Any]) -> tuple[Any, int, Batch]:
+        """``(message or per-rank messages, message size, leader's own batch)`` for one channel."""
         loader = self.loader
         routing, layout = loader.routing, loader.mesh_layout
         stage = "both" if loader.place.pp_size == 1 else channel.name
         selected = routing.select(batch, stage)
         if loader.delivery == "broadcast":
-            buf, meta_nbytes = self._stage(wire.plan(selected), channel)
-            own = routing.piece(wire.unpack(buf, meta_nbytes), loader.place.shard)
-            return Header(Kind.DATA, 0, buf.numel(), meta_nbytes), buf, own
-        by_levels: dict[tuple, tuple[torch.Tensor, int]] = {}
+            message, nbytes, meta_nbytes = self._message(channel, step, selected)
+            own = routing.piece(wire.unpack(message[wire.HEADER_BYTES : nbytes], meta_nbytes), loader.place.shard)
+            return message, nbytes, own
+        by_levels: dict[tuple, tuple[torch.Tensor, int, int]] = {}
         for rank in channel.ranks:
             levels = layout.place(rank).shard
             if levels not in by_levels:
-                by_levels[levels] = self._stage(wire.plan(routing.piece(selected, levels)), channel)
-        sizes = {(b.numel(), m) for b, m in by_levels.values()}
+                by_levels[levels] = self._message(channel, step, routing.piece(selected, levels))
+        sizes = {(n, m) for _, n, m in by_levels.values()}
         assert len(sizes) == 1, sizes  # equal shapes per shard, so equal sizes
         nbytes, meta_nbytes = sizes.pop()
-        parts = [by_levels[layout.place(r).shard][0] for r in channel.ranks]
-        own_buf = by_levels[loader.place.shard][0]
-        return Header(Kind.DATA, 0, nbytes, meta_nbytes), parts, wire.unpack(own_buf, meta_nbytes)
+        messages = [by_levels[layout.place(r).shard][0] for r in channel.ranks]
+        own = by_levels[loader.place.shard][0]
+        return messages, nbytes, wire.unpack(own[wire.HEADER_BYTES : nbytes], meta_nbytes)
 
-    def _stage(self, plan: wire.Plan, channel: transport.Channel) -> tuple[torch.Tensor, int]:
-        """Write a planned payload where the channel's collective reads it."""
+    def _message(self, channel: transport.Channel, step: int, batch: Mapping[str, Any]) -> tuple[torch.Tensor, int, int]:
+        """``(message, its size, meta size)`` of one step's data for ``channel``."""
+        plan = wire.plan(batch)
         if plan.nbytes > self.loader.max_batch_bytes:
             raise BatchError(
                 f"a {channel.name}-stage payload is {plan.nbytes} bytes; max_batch_bytes is {self.loader.max_batch_bytes}"
             )
-        on_gpu = channel.device.type == "cuda"
-        host = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=on_gpu)
-        wire.write(plan, host)
-        return (host.to(channel.device, non_blocking=True) if on_gpu else host), len(plan.meta)
+        message, nbytes = channel.message(Kind.DATA, step, plan)
+        return message, nbytes, len(plan.meta)
 
     def _send(self, channel: transport.Channel, step: int, packed: Any) -> None:
         if channel.name == "middle":
-            channel.send_header(Header(Kind.DATA, step, 0, 0))
+            channel.send_plan(Kind.DATA, step)
             return
-        header, payload, _ = packed
-        channel.send_header(Header(Kind.DATA, step, header.payload_nbytes, header.meta_nbytes))
-        if self.loader.delivery == "broadcast":
-            channel.send_payload(payload)
-        else:
-            channel.scatter_payload(payload)
+        message, nbytes, _ = packed
+        channel.send(message, nbytes)
 
     def _receive(self, step: int) -> Kind:
         loader = self.loader
         channel = next(iter(loader._groups.channels.values()))
         with self._collectives(f"waited for leader rank {channel.leader} to deliver step {step} and gave up"):
-            header = channel.recv_header(loader.max_batch_bytes)
-            if header.step != step:
-                raise WireError(f"expected step {step} from leader rank {channel.leader}, got step {header.step}")
-            if header.kind == Kind.END:
-                self._queue.put(_Item(Kind.END))
-                return Kind.END
-            if channel.name == "middle" and header.kind == Kind.DATA:
-                self._queue.put(_Item(Kind.DATA, {}))
-                return Kind.DATA
-            scattered = header.kind == Kind.DATA and loader.delivery == "scatter"
-            payload = channel.recv_payload(header.payload_nbytes, scattered)
+            header, payload = channel.recv(loader.max_batch_bytes)
+        if header.step != step:
+            raise WireError(f"expected step {step} from leader rank {channel.leader}, got step {header.step}")
+        if header.kind == Kind.END:
+            self._queue.put(_Item(Kind.END))
+            return Kind.END
+        if channel.name == "middle" and header.kind == Kind.DATA:
+            self._queue.put(_Item(Kind.DATA, {}))
+            return Kind.DATA
         if header.kind == Kind.DATA:
             batch = wire.unpack(payload, header.meta_nbytes)
-            if not scattered:
+            if not channel.scattered:
                 batch = loader.routing.piece(batch, loader.place.shard)
             self._queue.put(_Item(Kind.DATA, batch))
             return Kind.DATA

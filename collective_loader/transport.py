@@ -1,13 +1,13 @@
 """Process groups and the collectives that move headers and payloads.
 
 Everything that calls ``torch.distributed`` lives here. Groups are built once, by every rank, in
-the same order (``dist.new_group`` is collective over the default group). Headers and control
-messages always travel over gloo (CPU) groups, so reading them never waits for a GPU; payloads
-travel over the default backend (gloo on CPU, NCCL on GPUs).
+the same order (``dist.new_group`` is collective over the default group). Control messages
+travel over gloo (CPU) groups; batches over the default backend (gloo on CPU, NCCL on GPUs).
 
-A :class:`Channel` is one delivery group seen from one rank: the leader sends one header and one
-payload collective per step (a broadcast, or a scatter of equal-sized per-rank payloads); every
-other member receives them.
+A :class:`Channel` is one delivery group seen from one rank: the leader sends each message
+(header and payload in one buffer) as a broadcast, or as a scatter of equal-sized per-rank
+messages; every other member receives it. While message sizes repeat, that is one collective
+per step.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from collective_loader import wire
+from collective_loader.buffers import BufferPool
 from collective_loader.layout import MeshLayout, Place
 from collective_loader.wire import Header, Kind
 
@@ -36,59 +37,109 @@ def _new_group(ranks: Sequence[int], backend: str, timeout: float) -> dist.Proce
 class Channel:
     """One delivery group (sorted global ``ranks``, ``leader`` among them) seen from this rank.
 
-    ``header_group`` is gloo; ``payload_group`` is the same group on gloo worlds and an NCCL twin
-    on GPU worlds. ``device`` is where payloads land.
+    Every message is one buffer: a :data:`~collective_loader.wire.HEADER_BYTES` header, then the
+    payload (see :func:`collective_loader.wire.write_message`). Receivers cannot know a message's
+    size before its header, so both ends track ``frame_nbytes``, the size of the previous
+    message on this channel: the leader sends the first ``frame_nbytes`` bytes of the next
+    message (padded when it is shorter) in one collective, and the rest, if it is longer, in a
+    second. While batch sizes repeat, a step is therefore one collective per group.
+
+    ``group`` is gloo on gloo worlds; on GPU worlds the first- and last-stage groups use the
+    default backend and ``device`` is the GPU. ``pool`` reuses CPU buffers (None on GPUs, where
+    the caching allocator does that). On a ``scattered`` channel every message is a scatter of
+    equal-sized per-member messages (receivers must know how to receive before they see a
+    header); end and error messages are then the same message for every member.
     """
 
     name: str
     ranks: tuple[int, ...]
     leader: int
-    header_group: dist.ProcessGroup
-    payload_group: dist.ProcessGroup
+    group: dist.ProcessGroup
     device: torch.device
+    scattered: bool = False
+    pool: BufferPool | None = None
+    frame_nbytes: int = wire.HEADER_BYTES
     # what this rank moved through the channel: the leader counts bytes it sends to each peer
     collectives: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
 
-    def _count(self, nbytes: int, peers: int) -> None:
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer on ``device`` for a message of ``nbytes`` (longer when the frame is)."""
+        nbytes = max(nbytes, self.frame_nbytes)
+        if self.pool is not None:
+            return self.pool.take(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def message(self, kind: Kind, step: int, plan: wire.Plan) -> tuple[torch.Tensor, int]:
+        """Leader: ``(buffer on device, size)`` of the message announcing ``kind`` with ``plan``."""
+        nbytes = wire.HEADER_BYTES + plan.nbytes
+        if self.device.type == "cuda":
+            # pinned staging (torch caches pinned blocks), so the copy to the GPU is asynchronous
+            host = torch.empty(max(nbytes, self.frame_nbytes), dtype=torch.uint8, pin_memory=True)
+            wire.write_message(kind, step, plan, host)
+            return host.to(self.device, non_blocking=True), nbytes
+        buf = self.buffer(nbytes)
+        wire.write_message(kind, step, plan, buf)
+        return buf, nbytes
+
+    def send_plan(self, kind: Kind, step: int, plan: wire.Plan = wire.NOTHING) -> None:
+        """Leader: build one message and send it to every member."""
+        self.send(*self.message(kind, step, plan))
+
+    def _pieces(self, nbytes: int) -> list[slice]:
+        frame = self.frame_nbytes
+        return [slice(0, frame)] + ([slice(frame, nbytes)] if nbytes > frame else [])
+
+    def _count(self, nbytes: int) -> None:
         self.collectives += 1
         if dist.get_rank() == self.leader:
-            self.bytes_sent += nbytes * peers
+            self.bytes_sent += nbytes * (len(self.ranks) - 1)
         else:
             self.bytes_received += nbytes
 
-    def send_header(self, header: Header) -> None:
-        words = header.encode()
-        dist.broadcast(words, src=self.leader, group=self.header_group)
-        self._count(words.numel() * 8, len(self.ranks) - 1)
+    def send(self, message: torch.Tensor | Sequence[torch.Tensor], nbytes: int) -> None:
+        """Leader: send a message of ``nbytes`` (from :meth:`message`) to every member.
 
-    def recv_header(self, max_payload_bytes: int) -> Header:
-        words = torch.empty(wire.HEADER_WORDS, dtype=torch.int64)
-        dist.broadcast(words, src=self.leader, group=self.header_group)
-        self._count(words.numel() * 8, 0)
-        return Header.decode(words, max_payload_bytes)
+        On a scattered channel ``message`` may be a list, the i-th for the i-th member (sorted
+        ranks), all of ``nbytes``.
+        """
+        for piece in self._pieces(nbytes):
+            if not self.scattered:
+                dist.broadcast(message[piece], src=self.leader, group=self.group)
+            else:
+                parts = [message] * len(self.ranks) if isinstance(message, torch.Tensor) else message
+                # the leader receives its own part into scratch space: its message stays as it is
+                scratch = self.buffer(piece.stop - piece.start)[: piece.stop - piece.start]
+                dist.scatter(scratch, [m[piece] for m in parts], src=self.leader, group=self.group)
+            self._count(piece.stop - piece.start)
+        self.frame_nbytes = nbytes
 
-    def send_payload(self, payload: torch.Tensor) -> None:
-        """Leader: broadcast one buffer to every member."""
-        dist.broadcast(payload, src=self.leader, group=self.payload_group)
-        self._count(payload.numel(), len(self.ranks) - 1)
+    def recv(self, max_payload_bytes: int) -> tuple[Header, torch.Tensor]:
+        """Members: the next message's header and payload (a view of the received buffer).
 
-    def scatter_payload(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Leader: send ``parts[i]`` to the i-th member (sorted ranks); returns the leader's own."""
-        mine = torch.empty_like(parts[self.ranks.index(self.leader)])
-        dist.scatter(mine, list(parts), src=self.leader, group=self.payload_group)
-        self._count(mine.numel(), len(self.ranks) - 1)
-        return mine
+        Raises :class:`~collective_loader.errors.WireError` for a header that does not decode or
+        announces more than ``max_payload_bytes``.
+        """
+        frame = self.frame_nbytes
+        buf = self.buffer(frame)
+        self._recv_into(buf[:frame])
+        header = Header.decode(buf[: wire.HEADER_BYTES].view(torch.int64).cpu(), max_payload_bytes)
+        nbytes = wire.HEADER_BYTES + header.payload_nbytes
+        if nbytes > frame:
+            whole = self.buffer(nbytes)
+            whole[:frame].copy_(buf[:frame])
+            self._recv_into(whole[frame:nbytes])
+            buf = whole
+        self.frame_nbytes = nbytes
+        return header, buf[wire.HEADER_BYTES : nbytes]
 
-    def recv_payload(self, nbytes: int, scattered: bool) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        if scattered:
-            dist.scatter(buf, None, src=self.leader, group=self.payload_group)
+    def _recv_into(self, buf: torch.Tensor) -> None:
+        if self.scattered:
+            dist.scatter(buf, None, src=self.leader, group=self.group)
         else:
-            dist.broadcast(buf, src=self.leader, group=self.payload_group)
-        self._count(nbytes, 0)
-        return buf
+            dist.broadcast(buf, src=self.leader, group=self.group)
+        self._count(buf.numel())
 
 
 @dataclass
@@ -103,11 +154,16 @@ class Groups:
     count: int  # groups created by every rank
 
 
-def build_groups(layout: MeshLayout, place: Place, timeout: float) -> Groups:
-    """Create every group the loader needs. Must be called by every rank, in the same order."""
+def build_groups(layout: MeshLayout, place: Place, timeout: float, scatter: bool, buffers_per_channel: int) -> Groups:
+    """Create every group the loader needs. Must be called by every rank, in the same order.
+
+    ``scatter``: the first- and last-stage channels scatter; ``buffers_per_channel``: how many
+    CPU buffers each delivery channel keeps for reuse.
+    """
     backend = dist.get_backend()
     on_gpu = backend != "gloo"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    cpu = torch.device("cpu")
     count = 0
 
     def make(ranks: Sequence[int], backend_: str) -> dist.ProcessGroup | None:
@@ -123,15 +179,15 @@ def build_groups(layout: MeshLayout, place: Place, timeout: float) -> Groups:
     for replica in layout.replica_groups():
         group = make(replica.ranks, "gloo")
         if group is not None:
-            mine = Channel("replica", replica.ranks, replica.leader, group, group, torch.device("cpu"))
+            mine = Channel("replica", replica.ranks, replica.leader, group, cpu)
         for name, ranks in replica.all():
-            header = make(ranks, "gloo")
-            payload = make(ranks, backend) if on_gpu and name != "middle" else header
-            if header is not None:
-                assert payload is not None
-                # middle stages only ever get headers and error messages: keep them on the CPU
-                where = torch.device("cpu") if name == "middle" else device
-                channels[name] = Channel(name, ranks, replica.leader, header, payload, where)
+            # middle stages only ever get headers and error messages: keep them on gloo and the CPU
+            where = cpu if name == "middle" else device
+            group = make(ranks, "gloo" if where.type == "cpu" else backend)
+            if group is not None:
+                pool = BufferPool(buffers_per_channel) if where.type == "cpu" else None
+                scattered = scatter and name != "middle"
+                channels[name] = Channel(name, ranks, replica.leader, group, where, scattered, pool)
     assert control is not None and mine is not None
     return Groups(control, leaders, channels, mine, device, count)
 

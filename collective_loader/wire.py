@@ -1,12 +1,12 @@
 """Batch <-> fixed-size header + one packed byte buffer. No pickle: nothing received is evaluated.
 
-A step on the wire is two messages:
+A message on the wire is one uint8 buffer (:func:`write_message`):
 
-* the **header**, ``HEADER_WORDS`` int64 words: magic, version, kind, step, payload size,
-  meta size (see :class:`Header`);
-* the **payload**, one uint8 buffer: a JSON *meta* document describing the batch's tree (keys,
-  dtypes, shapes, byte offsets, plain values), padded to ``ALIGN`` bytes, then every tensor's
-  bytes at an ``ALIGN``-aligned offset.
+* the **header**, ``HEADER_WORDS`` int64 words (``HEADER_BYTES``): magic, version, kind, step,
+  payload size, meta size (see :class:`Header`);
+* the **payload**: a JSON *meta* document describing the batch's tree (keys, dtypes, shapes,
+  byte offsets, plain values), padded to ``ALIGN`` bytes, then every tensor's bytes at an
+  ``ALIGN``-aligned offset.
 
 The decoder checks every field against the buffer it was given before it creates a view, so
 corrupt or hostile input raises :class:`~collective_loader.errors.WireError` and never allocates
@@ -33,8 +33,9 @@ import torch
 from collective_loader.errors import BatchError, WireError
 
 MAGIC = 0x434C4C44  # "CLLD"
-VERSION = 1
+VERSION = 2
 HEADER_WORDS = 8
+HEADER_BYTES = HEADER_WORDS * 8
 ALIGN = 64
 MAX_DEPTH = 16
 MAX_DIMS = 16
@@ -185,6 +186,27 @@ def write(plan_: Plan, out: torch.Tensor) -> None:
         # copy into a typed view of the destination: any strides, conj/neg views and devices work
         nbytes = tensor.numel() * tensor.element_size()
         out[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach(), non_blocking=True)
+
+
+NOTHING = Plan(b"", [], 0)  # the payload of a message that is its header alone
+
+
+def write_message(kind: Kind, step: int, plan_: Plan, out: torch.Tensor) -> int:
+    """Fill ``out`` (uint8, CPU) with one message, the header then the payload; return its size.
+
+    Example::
+
+        >>> out = torch.empty(256, dtype=torch.uint8)
+        >>> n = write_message(Kind.DATA, 3, plan({"x": torch.ones(2)}), out)
+        >>> header = Header.decode(out[:HEADER_BYTES].view(torch.int64), 1 << 20)
+        >>> header.step, n == HEADER_BYTES + header.payload_nbytes
+        (3, True)
+        >>> unpack(out[HEADER_BYTES:n], header.meta_nbytes)
+        {'x': tensor([1., 1.])}
+    """
+    out[:HEADER_BYTES].view(torch.int64).copy_(Header(kind, step, plan_.nbytes, len(plan_.meta)).encode())
+    write(plan_, out[HEADER_BYTES : HEADER_BYTES + plan_.nbytes])
+    return HEADER_BYTES + plan_.nbytes
 
 
 def pack(batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
