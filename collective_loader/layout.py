@@ -274,8 +274,7 @@ def group_count(dp: int, pp: int) -> int:
 
     One control group over the whole mesh, one group of the leaders when ``dp > 1``, and per
     replica one group of the whole replica (state at checkpoint time) and one per destination
-    (first stage, last stage, middle stages). On NCCL the first- and last-stage groups get a
-    gloo twin for their headers, which this count leaves out.
+    (first stage, last stage, middle stages). The same on gloo and NCCL worlds.
 
     >>> group_count(dp=128, pp=16)
     514
