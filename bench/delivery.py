@@ -11,7 +11,7 @@ loading cost is measured.
 
 * Delivery vs the limit: CollectiveLoader with ``prefetch=1`` and with the default, against one
   raw ``dist.broadcast`` of the batch's bytes over a group of the same ranks (mesh dp=1, tp=4:
-  one leader, three receivers), and against a raw header broadcast followed by that one, for
+  one leader, three receivers), and against a raw header broadcast followed by that one (the earlier protocol's floor), for
   1 tensor and for 6 tensors of mixed dtypes.
 * Delivery vs the per-tensor pattern (Megatron's ``get_batch_on_this_tp_rank``): one broadcast
   of the shapes, then one synchronous broadcast per tensor.
@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from collective_loader import CollectiveLoader, launch, wire
 from collective_loader.layout import MeshLayout, group_count
+from collective_loader.buffers import BufferPool
 from collective_loader.wire import Header, Kind
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -256,44 +257,40 @@ def stats_per_step(loader: CollectiveLoader, source: Repeat) -> dict[str, Any]:
 # --- the delivery world ---------------------------------------------------------------------
 
 
-def profile_step(batch: dict[str, torch.Tensor], group: dist.ProcessGroup) -> dict[str, float]:
-    """One synchronous step of the loader's protocol, rebuilt from ``wire`` and timed by phase.
-
-    Leader: pack (plan, allocate, write), header broadcast, payload broadcast. Receivers: header
-    (includes waiting for the leader's pack), payload into a fresh buffer, unpack."""
+def profile_step(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, pool: BufferPool) -> dict[str, float]:
+    """One synchronous steady-state step of the loader's protocol, rebuilt from ``wire`` and timed
+    by phase: the leader packs header and payload into one reused buffer and broadcasts it;
+    receivers receive into a reused buffer (the wait includes the leader's pack), decode the
+    header and unpack."""
     t0 = time.perf_counter()
+    plan = wire.plan(batch)
+    nbytes = wire.HEADER_BYTES + plan.nbytes
+    buf = pool.take(nbytes)
     if dist.get_rank() == LEADER:
-        plan = wire.plan(batch)
-        buf = torch.empty(plan.nbytes, dtype=torch.uint8)
-        wire.write(plan, buf)
+        wire.write_message(Kind.DATA, 0, plan, buf)
         t1 = time.perf_counter()
-        dist.broadcast(Header(Kind.DATA, 0, plan.nbytes, len(plan.meta)).encode(), LEADER, group=group)
-        t2 = time.perf_counter()
         dist.broadcast(buf, LEADER, group=group)
-        t3 = t4 = time.perf_counter()
+        t2 = t3 = time.perf_counter()
     else:
         t1 = t0
-        words = torch.empty(wire.HEADER_WORDS, dtype=torch.int64)
-        dist.broadcast(words, LEADER, group=group)
-        header = Header.decode(words, 1 << 32)
-        t2 = time.perf_counter()
-        buf = torch.empty(header.payload_nbytes, dtype=torch.uint8)
         dist.broadcast(buf, LEADER, group=group)
+        t2 = time.perf_counter()
+        header = Header.decode(buf[: wire.HEADER_BYTES].view(torch.int64), 1 << 32)
+        wire.unpack(buf[wire.HEADER_BYTES : nbytes], header.meta_nbytes)
         t3 = time.perf_counter()
-        wire.unpack(buf, header.meta_nbytes)
-        t4 = time.perf_counter()
-    return {"pack": t1 - t0, "header": t2 - t1, "payload": t3 - t2, "unpack": t4 - t3, "step": t4 - t0}
+    return {"pack": t1 - t0, "message": t2 - t1, "unpack": t3 - t2, "step": t3 - t0}
 
 
 def profile_epoch(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, n: int) -> dict[str, list[float]]:
-    """Per step: the leader's pack, header and payload times, the slowest receiver's unpack, and
-    the slowest rank's whole step."""
+    """Per step: the leader's pack and broadcast times, the slowest receiver's unpack, and the
+    slowest rank's whole step."""
     gc.collect()
+    pool = BufferPool(2)
     dist.barrier()
-    mine = [profile_step(batch, group) for _ in range(n + SKIP)][SKIP:]
+    mine = [profile_step(batch, group, pool) for _ in range(n + SKIP)][SKIP:]
     ranks = gather(mine)
     receivers = [r for i, r in enumerate(ranks) if i != LEADER]
-    out = {phase: [s[phase] for s in ranks[LEADER]] for phase in ("pack", "header", "payload")}
+    out = {phase: [s[phase] for s in ranks[LEADER]] for phase in ("pack", "message")}
     out["unpack"] = [max(r[i]["unpack"] for r in receivers) for i in range(n)]
     out["step"] = [max(r[i]["step"] for r in ranks) for i in range(n)]
     return out
@@ -428,11 +425,11 @@ def buffer_costs(s: Settings) -> list[dict[str, Any]]:
 def layout_row(pp: int, dp: int, cp: int, tp: int) -> dict[str, Any]:
     """Groups and collectives per step of a mesh, from the layout code.
 
-    A leader runs one all-reduce among the leaders (when there are several), then per delivery
-    group a header broadcast and a payload collective (first and last stage) or a header only
-    (middle stages); a receiver takes part in its own group's collectives."""
+    A leader runs one all-reduce among the leaders (when there are several), then one message
+    collective per delivery group (first, last and middle stages; steady state: batch sizes
+    repeat); a receiver takes part in its own group's collective."""
     layout = MeshLayout.build(("pp", "dp", "cp", "tp"), (pp, dp, cp, tp), range(pp * dp * cp * tp))
-    per_group = {name: 1 if name == "middle" else 2 for name, _ in layout.replica_groups()[0].all()}
+    per_group = {name: 1 for name, _ in layout.replica_groups()[0].all()}
     return {
         "pp": pp, "dp": dp, "cp": cp, "tp": tp, "gpus": pp * dp * cp * tp,
         "groups": group_count(layout.dp_size, layout.pp_size),
@@ -506,7 +503,7 @@ def delivery_tables(rows: list[dict[str, Any]]) -> list[str]:
 
 def profile_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| batch | payload | leader pack | leader header bcast | leader payload bcast | receiver unpack | "
+        "| batch | payload | leader pack | leader message bcast | receiver unpack | "
         "rebuilt step | loader p=1 step | raw broadcast | loader p=1 - rebuilt |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -516,8 +513,8 @@ def profile_table(rows: list[dict[str, Any]]) -> list[str]:
         loader = statistics.median(summary(x)["p50"] for x in r["rounds"]["loader_p1"]) * 1e3
         raw = statistics.median(summary(x)["p50"] for x in r["rounds"]["raw"]) * 1e3
         lines.append(
-            f"| {r['n_tensors']} t | {size(r['payload'])} | {med['pack']:.3f} | {med['header']:.3f} | "
-            f"{med['payload']:.3f} | {med['unpack']:.3f} | {med['step']:.3f} | {loader:.3f} | {raw:.3f} | "
+            f"| {r['n_tensors']} t | {size(r['payload'])} | {med['pack']:.3f} | {med['message']:.3f} | "
+            f"{med['unpack']:.3f} | {med['step']:.3f} | {loader:.3f} | {raw:.3f} | "
             f"{loader - med['step']:+.3f} |"
         )
     return lines + [""]
@@ -671,7 +668,7 @@ def markdown(results: dict[str, Any]) -> str:
             "Mesh (dp, tp) = (1, 4): one leader, three receivers, one delivery group of 4 ranks. *raw broadcast*: "
             "one `dist.broadcast` of the batch's tensor bytes per step over a `dist.new_group` of the same 4 ranks, "
             "into a buffer allocated once (the transport's limit). *raw header + payload*: a 64-byte broadcast then "
-            "that one, both into buffers allocated once (the floor of any protocol with a header). *per-tensor*: "
+            "that one, both into buffers allocated once (the floor of the earlier protocol that sent a header then a payload). *per-tensor*: "
             "Megatron's `get_batch_on_this_tp_rank` pattern, one int64 broadcast of the shapes then one broadcast "
             "per tensor into fresh tensors (n + 1 collectives). *loader p=1*: `prefetch=1`, the synchronous "
             "delivery time; *loader default*: `prefetch=2`. Collectives per step come from `loader.stats()` "
@@ -682,9 +679,9 @@ def markdown(results: dict[str, Any]) -> str:
         "## Where a step's time goes",
         "",
         (
-            "One synchronous step rebuilt in the benchmark from the package's public wire pieces (`wire.plan`, "
-            "`wire.write` into a fresh buffer, `Header.encode`/`decode`, `wire.unpack`) and two `dist.broadcast` "
-            "calls over the raw group, timed by phase with `time.perf_counter` (p50 ms, median over rounds, run in "
+            "One synchronous steady-state step rebuilt in the benchmark from the package's pieces (`wire.plan`, "
+            "`wire.write_message` into a `BufferPool` buffer, `Header.decode`, `wire.unpack`) and one "
+            "`dist.broadcast` over the raw group, timed by phase with `time.perf_counter` (p50 ms, median over rounds, run in "
             "the same rotation as the variants above). *rebuilt step* is the slowest rank's whole step; the last "
             "column is what the loader adds on top (its transfer thread, queue hand-off, routing)."
         ),
@@ -692,7 +689,8 @@ def markdown(results: dict[str, Any]) -> str:
         *profile_table(delivery),
         (
             "What a fresh buffer costs: writing a payload into a `torch.empty(n)` made each step (what the leader's "
-            "pack does; receivers receive into one) vs into a buffer allocated once (what the raw broadcast does). "
+            "pack did before `BufferPool`; receivers received into one) vs into a buffer allocated once (what the "
+            "raw broadcast and the pool do). "
             "A fresh buffer is either freed at once (the loader's, once the loop drops the batch) or kept until the "
             "end (a loop that holds on to its batches). Worker thread, one torch thread, in the parent process after "
             "the worlds ended; median of 10 copies, median over rounds."
@@ -714,7 +712,7 @@ def markdown(results: dict[str, Any]) -> str:
             "Constructor time (slowest rank, `CollectiveLoader(...)` alone) and 1 KiB step time (512 B of inputs "
             "to the first stage, 512 B of labels to the last) as the world grows. These worlds run 2 to 16 processes "
             f"on {os.cpu_count()} cores, so times past 2 ranks measure oversubscription as much as the loader. The "
-            "stats column counts header and payload collectives of the delivery groups per rank role; the leaders' "
+            "stats column counts the message collectives of the delivery groups per rank role; the leaders' "
             "all-reduce (dp > 1) is not in `stats()`."
         ),
         "",
@@ -723,10 +721,10 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         (
             "No processes: `layout.group_count(dp, pp)` and `MeshLayout(...).replica_groups()`. Derivation: a "
-            "leader does 1 all-reduce among leaders (when dp > 1), plus for each delivery group of the first and "
-            "last stage one header broadcast and one payload collective (with pp = 1 there is one such group), plus "
-            "one header broadcast to the middle stages (when pp > 2). A receiver does 2 (header + payload) on the "
-            "first or last stage and 1 (header) on a middle stage. None of this grows with tp or cp."
+            "leader does 1 all-reduce among leaders (when dp > 1), plus one message collective per delivery group: "
+            "first stage, last stage (with pp = 1 they are one group) and middle stages (when pp > 2); a receiver "
+            "does 1. That is the steady state, while batch sizes repeat: a batch larger than the previous one on "
+            "its channel costs one more collective. None of this grows with tp or cp."
         ),
         "",
         *layout_table(results["layout"]),
