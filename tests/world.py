@@ -71,27 +71,46 @@ class World:
                 self.kill()
                 raise TimeoutError(f"a world of {self.size} ranks did not start within {STARTUP_TIMEOUT}s") from None
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, dying: frozenset[int] = frozenset(),
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; raise with every failing rank's traceback,
-        or on the deadline."""
+        or on the deadline.
+
+        ``dying``: ranks that kill themselves during ``fn``; their results are ``None``, the
+        others' are waited for as usual, and the world (its process group now broken) is killed
+        afterwards, so the next call starts a fresh one.
+        """
         if not self._procs:
             self._start()
         for q in self._tasks:
             q.put((fn, args, kwargs))
-        out: dict[int, tuple[bool, Any]] = {}
+        out: dict[int, tuple[bool, Any]] = {r: (True, None) for r in dying}
         deadline = time.monotonic() + timeout
+        try:
+            self._collect(out, f"{fn.__name__} within {timeout}s", deadline)
+        finally:
+            if dying:
+                self.kill()
+        failed = {r: v for r, (ok, v) in out.items() if not ok}
+        if failed:
+            raise AssertionError("".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items())))
+        return [out[r][1] for r in range(self.size)]
+
+    def _collect(self, out: dict[int, tuple[bool, Any]], what: str, deadline: float) -> None:
         while len(out) < self.size:
             try:
                 rank, ok, value = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 missing = sorted(set(range(self.size)) - set(out))
                 self.kill()
-                raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} within {timeout}s") from None
+                raise TimeoutError(f"ranks {missing} did not finish {what}") from None
             out[rank] = (ok, value)
-        failed = {r: v for r, (ok, v) in out.items() if not ok}
-        if failed:
-            raise AssertionError("".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items())))
-        return [out[r][1] for r in range(self.size)]
+
+    def alive(self) -> list[int]:
+        """Ranks whose process is running."""
+        return [r for r, p in enumerate(self._procs) if p.is_alive()]
 
     def kill(self) -> None:
         for p in self._procs:

@@ -1,0 +1,327 @@
+"""Loading cost: CollectiveLoader (leaders load) vs every rank loading its own StreamingDataset.
+
+    python bench/loading.py            # about 5 minutes: bench/results/loading.{json,md}
+    python bench/loading.py --quick    # about 2 minutes: bench/results/loading_quick.* (git-ignored)
+
+An 8-rank gloo world on the mesh ``(dp, pp, tp) = (2, 2, 2)``: two replicas, model-parallel size 4
+(pp x tp). One epoch of a real ``StreamingDataset`` over MDS shards of text written here, with a
+tokenization-like transform in the collate (a pure-Python hash of every byte of every word, then
+a look-up in a 200,000-entry vocabulary table that each process which tokenizes builds once):
+
+* *collective_loader*: ``StreamingSource`` builds the dataset on the two leaders only;
+  ``CollectiveLoader`` delivers inputs to the first stage and labels to the last.
+* *every rank loads* (the TorchTitan way): every rank builds ``StreamingDataset`` with
+  ``replication = 4``, so the 4 ranks of a replica (adjacent in this mesh order) read the same
+  samples, and runs the same collate.
+
+Each variant runs in its own world (peak RSS is per process), the variants alternate, twice. Per
+rank: CPU seconds (user + system) and peak RSS, both total and above what the rank had when the
+variant started (after importing torch and streaming and joining the world: what the data path
+adds); the tables sum them over the 8 ranks. DataLoader workers: none (``num_workers=0``), so
+every second of loading is on the rank's own process and counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader
+
+from collective_loader import CollectiveLoader, launch
+from collective_loader.streaming import StreamingSource, release
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+MESH = (("dp", "pp", "tp"), (2, 2, 2))
+REPLICATION = 4  # pp x tp: the ranks of one replica, adjacent in this mesh order
+VOCAB = 32000
+VOCAB_ENTRIES = 200_000
+WORDS = [f"w{i:x}{'abcdefgh'[i % 8] * (i % 7)}" for i in range(5000)]
+VARIANTS = ("collective_loader", "every_rank_loads")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    samples: int
+    words_per_sample: int
+    seq_len: int
+    batch_size: int  # per replica
+    rounds: int
+    data: str = ""
+    out: str = ""
+
+
+FULL = Settings(samples=4096, words_per_sample=600, seq_len=512, batch_size=8, rounds=2)
+QUICK = Settings(samples=512, words_per_sample=300, seq_len=128, batch_size=8, rounds=1)
+
+
+# --- the data and its transform -----------------------------------------------------------------
+
+
+def write_dataset(out: str, s: Settings) -> None:
+    """MDS shards with columns ``text`` (str) and ``id``."""
+    from streaming import MDSWriter
+
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=out, columns={"text": "str", "id": "int"}, size_limit=1 << 20) as writer:
+        for i in range(s.samples):
+            words = rng.integers(0, len(WORDS), s.words_per_sample)
+            writer.write({"text": " ".join(WORDS[w] for w in words), "id": i})
+
+
+_VOCAB_TABLE: dict[str, int] = {}
+
+
+def vocab_table() -> dict[str, int]:
+    """A word -> id table of ``VOCAB_ENTRIES`` entries, built once per process that tokenizes
+    (as a real tokenizer loads its vocabulary and merges): the memory every loading rank holds."""
+    if not _VOCAB_TABLE:
+        _VOCAB_TABLE.update((f"{word}{i}", i % VOCAB) for i, word in enumerate(WORDS * (VOCAB_ENTRIES // len(WORDS))))
+    return _VOCAB_TABLE
+
+
+def tokenize(text: str, length: int) -> list[int]:
+    """``length`` token ids from ``text``: every byte of every word hashed (the CPU work per
+    sample), then looked up in the vocabulary table."""
+    table, ids = vocab_table(), []
+    for word in text.split():
+        h = 7
+        for byte in word.encode():
+            h = (h * 131 + byte) % VOCAB
+        ids.append(table.get(f"{word}{h % 40}", h))
+    return (ids + [0] * length)[:length]
+
+
+def tokenize_collate(samples: list[dict[str, Any]], seq_len: int) -> dict[str, torch.Tensor]:
+    """Samples -> ``input_ids``, ``labels`` (shifted by one), ``position_ids``, ``sample_id``."""
+    tokens = torch.tensor([tokenize(s["text"], seq_len + 1) for s in samples], dtype=torch.int64)
+    return {
+        "input_ids": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(seq_len).expand(len(samples), seq_len).contiguous(),
+        "sample_id": torch.tensor([int(s["id"]) for s in samples]),
+    }
+
+
+class Collate:
+    """A picklable collate with the sequence length bound."""
+
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return tokenize_collate(samples, self.seq_len)
+
+
+# --- one rank -----------------------------------------------------------------------------------
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def epoch_collective(s: Settings, mesh: Any) -> list[int]:
+    source = StreamingSource(mesh, local=s.data, batch_size=s.batch_size, collate=Collate(s.seq_len), shuffle=False)
+    loader = CollectiveLoader(source, mesh, inputs=("input_ids", "position_ids", "sample_id"),
+                              labels=("labels", "sample_id"))
+    ids = [i for batch in loader for i in batch.get("sample_id", torch.empty(0)).tolist()]
+    loader.close()
+    return ids
+
+
+def epoch_every_rank(s: Settings, mesh: Any) -> list[int]:
+    from streaming import StreamingDataset
+
+    dataset = StreamingDataset(local=s.data, batch_size=s.batch_size, shuffle=False, replication=REPLICATION)
+    loader = DataLoader(dataset, batch_size=s.batch_size, collate_fn=Collate(s.seq_len))
+    ids = [i for batch in loader for i in batch["sample_id"].tolist()]
+    del loader
+    dist.barrier()  # every rank of the node is done with the blocks before they go
+    release(dataset)
+    return ids
+
+
+def rank_main(args: tuple[Settings, str]) -> int:
+    s, variant = args
+    import streaming  # noqa: F401  (its import is part of the baseline, not of the data path)
+
+    mesh = init_device_mesh("cpu", MESH[1], mesh_dim_names=MESH[0])
+    gc.collect()
+    dist.barrier()
+    cpu0, rss0, wall0 = cpu_seconds(), rss_bytes(), time.perf_counter()
+    ids = (epoch_collective if variant == "collective_loader" else epoch_every_rank)(s, mesh)
+    record = {
+        "rank": dist.get_rank(), "cpu": cpu_seconds() - cpu0, "cpu_total": cpu_seconds(),
+        "rss_start": rss0, "peak_rss": peak_rss_bytes(), "wall": time.perf_counter() - wall0, "ids": ids,
+    }
+    records: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    if dist.get_rank() == 0:
+        with open(s.out, "a") as f:
+            f.write(json.dumps({"variant": variant, "ranks": records}) + "\n")
+    return 0
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def summarize(run: dict[str, Any]) -> dict[str, float]:
+    ranks = run["ranks"]
+    return {
+        "cpu": sum(r["cpu"] for r in ranks),
+        "cpu_total": sum(r["cpu_total"] for r in ranks),
+        "rss_added": sum(r["peak_rss"] - r["rss_start"] for r in ranks),
+        "peak_rss": sum(r["peak_rss"] for r in ranks),
+        "wall": max(r["wall"] for r in ranks),
+        "loading_ranks_cpu": sorted(r["cpu"] for r in ranks)[-1],
+    }
+
+
+def check_coverage(run: dict[str, Any], samples: int, batch_size: int) -> str:
+    """Each replica's first-stage ranks saw the same ids; the replicas together saw every sample once."""
+    names, shape = MESH
+    by_replica: dict[int, set[tuple[int, ...]]] = {}
+    for r in run["ranks"]:
+        dp, pp, _ = np.unravel_index(r["rank"], shape)
+        if pp == 0:
+            by_replica.setdefault(int(dp), set()).add(tuple(r["ids"]))
+    if any(len(v) != 1 for v in by_replica.values()):
+        return "ranks of one replica saw different samples"
+    seen = [i for v in by_replica.values() for i in next(iter(v))]
+    want = samples - samples % (batch_size * shape[0])
+    if sorted(seen) != list(range(samples))[: len(seen)] or len(seen) != want:
+        return f"replicas saw {len(seen)} samples ({len(set(seen))} distinct), want {want} once each"
+    return "ok"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    meta, runs = results["meta"], results["runs"]
+    s = {v: [summarize(r) for r in runs if r["variant"] == v] for v in VARIANTS}
+    med = {v: {k: statistics.median(x[k] for x in s[v]) for k in s[v][0]} for v in VARIANTS}
+    ratio = {k: med["collective_loader"][k] / med["every_rank_loads"][k] for k in med["collective_loader"]}
+    ok = {
+        "cpu": ratio["cpu"] <= 0.35,
+        "rss_added": ratio["rss_added"] <= 0.35,
+    }
+    gib, mib = 2**30, 2**20
+    lines = [
+        "# Loading cost: collective_loader vs every rank loads (gloo, this machine)",
+        "",
+        f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; Python {meta['python']}. `{meta['command']}` "
+        f"ran {meta['seconds']:.0f} s; load average {meta['load_before']} before, {meta['load_after']} after.",
+        "",
+        f"Mesh (dp, pp, tp) = (2, 2, 2): 8 ranks, 2 replicas, model-parallel size 4. One epoch of "
+        f"{meta['settings']['samples']} samples of {meta['settings']['words_per_sample']} words, per-replica batch "
+        f"{meta['settings']['batch_size']}, sequence {meta['settings']['seq_len']} tokens, tokenization-like collate, "
+        f"no DataLoader workers, `shuffle=False`. Sums over the 8 ranks, medians over {meta['settings']['rounds']} "
+        "round(s) of separate worlds; *added* is what the data path adds to a rank that has imported torch and "
+        "streaming and joined the world.",
+        "",
+        "## Targets",
+        "",
+        f"- summed loader CPU seconds <= 0.35x every-rank-loads: **{'met' if ok['cpu'] else 'MISSED'}** "
+        f"({ratio['cpu']:.2f})",
+        f"- summed loader peak RSS (added) <= 0.35x every-rank-loads: **{'met' if ok['rss_added'] else 'MISSED'}** "
+        f"({ratio['rss_added']:.2f})",
+        "",
+        "| | CPU s added (sum) | CPU s of the busiest rank | CPU s whole processes (sum) | peak RSS added (sum) | "
+        "peak RSS whole processes (sum) | wall s per epoch (slowest rank) | coverage |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for v in VARIANTS:
+        m = med[v]
+        cover = ", ".join(sorted({check_coverage(r, meta["settings"]["samples"], meta["settings"]["batch_size"])
+                                  for r in runs if r["variant"] == v}))
+        lines.append(
+            f"| {v.replace('_', ' ')} | {m['cpu']:.1f} | {m['loading_ranks_cpu']:.1f} | {m['cpu_total']:.1f} | "
+            f"{m['rss_added'] / mib:.0f} MiB | {m['peak_rss'] / gib:.2f} GiB | {m['wall']:.1f} | {cover} |"
+        )
+    lines.append(
+        f"| ratio | {ratio['cpu']:.2f} | {ratio['loading_ranks_cpu']:.2f} | {ratio['cpu_total']:.2f} | "
+        f"{ratio['rss_added']:.2f} | {ratio['peak_rss']:.2f} | {ratio['wall']:.2f} | |"
+    )
+    lines += ["", "Per rank (first round): CPU s added / peak RSS added (MiB)", "",
+              "| variant | " + " | ".join(f"rank {i}" for i in range(8)) + " |", "|---|" + "---|" * 8]
+    for v in VARIANTS:
+        first = next(r for r in runs if r["variant"] == v)
+        cells = [f"{r['cpu']:.1f} / {(r['peak_rss'] - r['rss_start']) / mib:.0f}" for r in first["ranks"]]
+        lines.append(f"| {v.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def machine() -> str:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, {ram:.0f} GiB RAM"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small dataset, one round")
+    args = parser.parse_args(argv)
+    name = "loading_quick" if args.quick else "loading"
+    load_before, start = os.getloadavg(), time.time()
+    tmp = tempfile.mkdtemp(prefix="cl_loading_")
+    try:
+        s = dataclasses.replace(QUICK if args.quick else FULL, data=os.path.join(tmp, "mds"),
+                                out=os.path.join(tmp, "runs.jsonl"))
+        write_dataset(s.data, s)
+        for r in range(s.rounds):
+            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+            for variant in order:
+                code = launch.run(rank_main, (s, variant), 8, timeout=1200)
+                if code:
+                    print(f"{variant} world failed with exit code {code}", file=sys.stderr)
+                    return code
+                print(f"round {r + 1}: {variant} done", flush=True)
+        with open(s.out) as f:
+            runs = [json.loads(line) for line in f]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    results = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "torch": torch.__version__,
+            "python": platform.python_version(), "command": " ".join(["python bench/loading.py", *sys.argv[1:]]),
+            "seconds": time.time() - start, "load_before": " ".join(f"{x:.1f}" for x in load_before),
+            "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+            "settings": dataclasses.asdict(s) | {"data": None, "out": None},
+        },
+        "runs": [{**r, "ranks": [{k: v for k, v in x.items() if k != "ids"} | {"ids_n": len(x["ids"])}
+                                 for x in r["ranks"]]} for r in runs],
+    }
+    text = markdown({"meta": results["meta"], "runs": runs})
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump(results, f)
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
