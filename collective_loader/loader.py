@@ -407,15 +407,29 @@ class _Epoch(Iterator[Batch]):
         loader, place, groups = self.loader, self.loader.place, self.loader._groups
         origin = place.rank
         if groups.leaders is not None:
-            kind, message, origin = transport.agree(groups.leaders, kind, message)
+            try:
+                kind, message, origin = transport.agree(groups.leaders, kind, message)
+            except RuntimeError as e:
+                text = self._failure(f"lost contact with the other leaders before step {step}", e)
+                self._warn_replica(step, text, sent=())
+                raise DeliveryError(text) from e
         if kind == Kind.DATA:
+            sent: list[str] = []
             for name, channel in groups.channels.items():
-                self._send(channel, step, parts.get(name))
+                try:
+                    self._send(channel, step, parts.get(name))
+                except RuntimeError as e:
+                    text = self._failure(f"could not deliver step {step} to the {name} stage (ranks {list(channel.ranks)})", e)
+                    self._warn_leaders(text)
+                    self._warn_replica(step, text, sent, failed=name)
+                    raise DeliveryError(text) from e
+                sent.append(name)
             self._queue.put(_Item(Kind.DATA, parts["first"][2], source_state=source_state))
             return kind
         if kind != Kind.END:
             dp = loader.mesh_layout.leaders().index(origin)
-            text = f"leader rank {origin} (dp_rank {dp}) failed at step {step}: {message}"
+            # a delivery failure's message already names its leader and step
+            text = message if kind == Kind.DELIVERY_ERROR else f"leader rank {origin} (dp_rank {dp}) failed at step {step}: {message}"
             for channel in groups.channels.values():
                 channel.send_plan(kind, step, wire.plan({"message": text}))
             error = _error(kind, text)
@@ -427,6 +441,27 @@ class _Epoch(Iterator[Batch]):
             channel.send_plan(Kind.END, step)
         self._queue.put(_Item(Kind.END))
         return kind
+
+    def _failure(self, what: str, error: BaseException) -> str:
+        place = self.loader.place
+        return f"leader rank {place.rank} (dp_rank {place.dp_rank}) {what} (timeout={self.loader.timeout}s): {error}"
+
+    def _warn_leaders(self, text: str) -> None:
+        """Best effort: the other leaders learn of this leader's failure at their next agreement
+        and pass it on to their replicas, instead of waiting for a timeout."""
+        leaders = self.loader._groups.leaders
+        if leaders is not None:
+            with contextlib.suppress(RuntimeError):
+                transport.agree(leaders, Kind.DELIVERY_ERROR, text)
+
+    def _warn_replica(self, step: int, text: str, sent: Iterable[str], failed: str | None = None) -> None:
+        """Best effort: tell this replica's channels whose state is sound (not ``failed``) about a
+        delivery failure, as the message of ``step`` (of the next step where it was already sent)."""
+        sent = set(sent)
+        for name, channel in self.loader._groups.channels.items():
+            if name != failed:
+                with contextlib.suppress(RuntimeError):
+                    channel.send_plan(Kind.DELIVERY_ERROR, step + (name in sent), wire.plan({"message": text}))
 
     @contextlib.contextmanager
     def _collectives(self, what: str) -> Iterator[None]:
@@ -525,7 +560,7 @@ class _Epoch(Iterator[Batch]):
 
 
 def _error(kind: Kind, text: str) -> BaseException:
-    return BatchError(text) if kind == Kind.BATCH_ERROR else LeaderError(text)
+    return {Kind.BATCH_ERROR: BatchError, Kind.DELIVERY_ERROR: DeliveryError}.get(kind, LeaderError)(text)
 
 
 def _record_stream(value: Any, stream: "torch.cuda.Stream") -> None:

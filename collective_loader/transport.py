@@ -218,7 +218,7 @@ def agree(group: dist.ProcessGroup, kind: Kind, message: str) -> tuple[Kind, str
     broadcast only when someone failed.
     """
     me = dist.get_rank()
-    failed = kind in (Kind.SOURCE_ERROR, Kind.BATCH_ERROR)
+    failed = kind in (Kind.SOURCE_ERROR, Kind.BATCH_ERROR, Kind.DELIVERY_ERROR)
     # MAX-reduce: [any END, any failure, -(lowest failing rank)]
     flags = torch.tensor([int(kind == Kind.END), int(failed), -me if failed else -(1 << 40)], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)

@@ -63,6 +63,7 @@ class Kind(enum.IntEnum):
     END = 2
     SOURCE_ERROR = 3  # payload: {"message": str}; receivers raise LeaderError
     BATCH_ERROR = 4  # payload: {"message": str}; receivers raise BatchError
+    DELIVERY_ERROR = 5  # payload: {"message": str}; a leader could not deliver: DeliveryError
 
 
 @dataclass(frozen=True)
