@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import queue
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -31,6 +32,11 @@ from collective_loader.wire import Kind
 
 Delivery = Literal["broadcast", "scatter"]
 Batch = dict[str, Any]
+# a leader whose source has not returned a batch after this share of `timeout` reports itself
+# stalled (by 0.8 x timeout, see _StallWatch), so its peers, who wait at most `timeout` for it,
+# hear why before they give up
+STALL_AFTER = 0.75
+JOIN_WAIT = 5.0  # seconds to wait for a transfer thread that has delivered its last step
 
 
 @dataclass
@@ -41,6 +47,52 @@ class _Item:
     batch: Batch = field(default_factory=dict)
     error: BaseException | None = None
     source_state: Any = None  # leader only: the source's state right after this batch
+
+
+class _StallWatch:
+    """A leader's watchdog: reports a source call that has not returned within ``after`` seconds.
+
+    The transfer thread marks each call into the source with :meth:`loading`; the watchdog
+    thread looks every ``after / 16`` seconds (nothing is signalled per step) and, once a call
+    has taken longer than ``after``, sets ``stalled`` and calls ``report(step)``. Both happen
+    under one lock, so either the call returned first or ``stalled`` is set: from then on the
+    transfer thread delivers nothing and the collectives are the watchdog's.
+    """
+
+    def __init__(self, after: float, report: Callable[[int], None], name: str) -> None:
+        self.after = after
+        self.stalled = False
+        self._report = report
+        self._lock = threading.Lock()
+        self._step: int | None = None  # the step being loaded, None between calls
+        self._since = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def loading(self, step: int) -> Iterator[None]:
+        with self._lock:
+            self._step, self._since = step, time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._step = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.after / 16):
+            with self._lock:
+                step = self._step
+                if step is None or time.monotonic() - self._since < self.after:
+                    continue
+                self.stalled = True
+            self._report(step)
+            return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(JOIN_WAIT)
 
 
 class CollectiveLoader:
@@ -275,7 +327,10 @@ class CollectiveLoader:
             self._epoch.close()
         close_source = getattr(self._source, "close", None)
         if callable(close_source):
-            close_source()
+            if self._epoch is not None and self._epoch.in_source():
+                warnings.warn("the source is still inside a stalled call; it is left open", stacklevel=2)
+            else:
+                close_source()
         _LIVE.discard(self)
 
     def stats(self) -> dict[str, int]:
@@ -319,6 +374,10 @@ class _Epoch(Iterator[Batch]):
         self._finished = False
         self._device = loader._groups.device
         place = loader.place
+        self._watch = (
+            _StallWatch(STALL_AFTER * loader.timeout, self._stalled, f"collective_loader-r{place.rank}-watch")
+            if place.is_leader else None
+        )
         target = self._lead if place.is_leader else self._receive
         self._thread = threading.Thread(target=self._run, args=(target,), name=f"collective_loader-r{place.rank}", daemon=True)
         self._thread.start()
@@ -339,7 +398,7 @@ class _Epoch(Iterator[Batch]):
                 _record_stream(item.batch, torch.cuda.current_stream())
             return item.batch
         self._finished = True
-        self._thread.join()
+        self._thread.join(JOIN_WAIT)  # a thread stuck in a stalled source is left behind
         if item.kind == Kind.END:
             raise StopIteration
         assert item.error is not None
@@ -350,13 +409,17 @@ class _Epoch(Iterator[Batch]):
         with self._cond:
             self._closing = True
             self._cond.notify()
-        self._thread.join(self.loader.timeout + 5.0)
+        self._thread.join(JOIN_WAIT if self._finished else self.loader.timeout + JOIN_WAIT)
         self._finished = True
         # an epoch left early: stop the source's iterator now (DataLoader workers exit with it);
         # a thread still inside the source after the wait keeps it
         close_iter = getattr(getattr(self, "_source_iter", None), "close", None)
-        if callable(close_iter) and not self._thread.is_alive():
+        if callable(close_iter) and not self.in_source():
             close_iter()
+
+    def in_source(self) -> bool:
+        """Whether the transfer thread is still running (after :meth:`close`: stuck in the source)."""
+        return self._thread.is_alive()
 
     # --- transfer thread -------------------------------------------------------------------
 
@@ -380,6 +443,9 @@ class _Epoch(Iterator[Batch]):
                         return
             except BaseException as e:  # handed to the training loop, raised there
                 self._queue.put(_Item(Kind.SOURCE_ERROR, error=e))
+            finally:
+                if self._watch is not None:
+                    self._watch.close()
 
     def _lead(self, step: int) -> Kind:
         loader, groups = self.loader, self.loader._groups
@@ -387,7 +453,8 @@ class _Epoch(Iterator[Batch]):
         try:
             if step == 0:
                 self._source_iter = self._start_source()
-            batch = next(self._source_iter)
+            with self._watch.loading(step):
+                batch = next(self._source_iter)
             source_state = loader._source.state_dict() if hasattr(loader._source, "state_dict") else None
             loader.routing.check(batch)
             parts = {name: self._pack(ch, step, batch) for name, ch in groups.channels.items() if name != "middle"}
@@ -397,8 +464,22 @@ class _Epoch(Iterator[Batch]):
             kind, message, cause = Kind.BATCH_ERROR, str(e), e
         except Exception as e:
             kind, message, cause = Kind.SOURCE_ERROR, f"{type(e).__name__}: {e}", e
+        if self._watch.stalled:  # the watchdog has told everyone; the collectives are its now
+            return Kind.SOURCE_ERROR
         with self._collectives(f"gave up delivering step {step} to its replica"):
             return self._deliver(step, kind, message, cause, parts, source_state)
+
+    def _stalled(self, step: int) -> None:
+        """Watchdog: the source is still loading ``step``; say so on every rank."""
+        message = (
+            f"still loading step {step} after {self._watch.after:.0f}s: the source has not returned a batch "
+            f"(timeout={self.loader.timeout}s; a leader reports a stall after {STALL_AFTER:.0%} of it)"
+        )
+        try:
+            with self._collectives(f"gave up reporting a stalled source at step {step}"):
+                self._deliver(step, Kind.SOURCE_ERROR, message, None, {}, None)
+        except DeliveryError as e:
+            self._queue.put(_Item(Kind.SOURCE_ERROR, error=e))
 
     def _deliver(
         self, step: int, kind: Kind, message: str, cause: BaseException | None, parts: dict, source_state: Any

@@ -14,10 +14,12 @@ import signal
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 import ranks
-from collective_loader import CollectiveLoader, DeliveryError, mesh_place
+from collective_loader import CollectiveLoader, DeliveryError, LeaderError, mesh_place
 from collective_loader.layout import MeshLayout
 
 MESH = (("pp", "dp", "tp"), (2, 2, 2))
@@ -71,3 +73,73 @@ def test_survivors_raise_when_a_rank_is_killed(worlds, who):
     # the leaders' warnings reached the replica that did not lose a rank
     other = [r for r in range(8) if r not in mates | {victim}]
     assert other and all("leader rank" in records[r]["message"] for r in other)
+
+
+class CrashingDataset(torch.utils.data.Dataset):
+    """Replica ``dp``'s samples; the worker that loads sample ``crash_at`` dies (os._exit)."""
+
+    def __init__(self, dp: int, crash_at: int) -> None:
+        self.dp, self.crash_at = dp, crash_at
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.crash_at:
+            os._exit(3)
+        return {k: v[0] for k, v in ranks.sample_batch([self.dp + 2 * i], 16).items()}
+
+
+def worker_crash(crash_on_dp: int):
+    mesh = ranks.make_mesh(*MESH)
+    dp = mesh_place(mesh, dist.get_rank()).dp_rank
+    dataset = CrashingDataset(dp, crash_at=20 if dp == crash_on_dp else -1)
+    loader = CollectiveLoader(lambda: DataLoader(dataset, batch_size=2, num_workers=2), mesh, **ranks.KEYS, timeout=60)
+    steps = 0
+    try:
+        for _ in loader:
+            steps += 1
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e), "steps": steps}
+    return {"error": None, "steps": steps}
+
+
+def test_dataloader_worker_crash_is_a_leader_error_everywhere(worlds):
+    records = worlds.get(8).run(worker_crash, 1, timeout=240)
+    leader = MeshLayout.build(*MESH, range(8)).leaders()[1]
+    for rank, rec in enumerate(records):
+        assert rec["error"] == LeaderError.__name__, (rank, rec)
+        assert f"leader rank {leader} (dp_rank 1)" in rec["message"] and "exited unexpectedly" in rec["message"], rec
+    # every rank stops at the same step, before the batch that holds sample 20 (step 11 of 32)
+    assert len({rec["steps"] for rec in records}) == 1 and records[0]["steps"] < 11, records
+
+
+def stalled_source(stall_on_dp: int, at_step: int):
+    """Replica ``stall_on_dp``'s source blocks (for an hour) before batch ``at_step``."""
+    mesh = ranks.make_mesh(*MESH)
+    dp = mesh_place(mesh, dist.get_rank()).dp_rank
+
+    def source():
+        for step, batch in enumerate(ranks.id_batches(dp, 2, 1000, 2, 16)):
+            if dp == stall_on_dp and step == at_step:
+                time.sleep(3600)
+            yield batch
+
+    loader = CollectiveLoader(source, mesh, **ranks.KEYS, timeout=TIMEOUT)
+    steps, start = 0, time.monotonic()
+    try:
+        for _ in loader:
+            steps += 1
+    except Exception as e:
+        loader.close()
+        return {"error": type(e).__name__, "message": str(e), "steps": steps, "after": time.monotonic() - start}
+    return {"error": None, "steps": steps}
+
+
+def test_stalled_leader_is_reported_as_still_loading(worlds):
+    records = worlds.get(8).run(stalled_source, 1, 4, timeout=TIMEOUT + 3 * SLACK)
+    leader = MeshLayout.build(*MESH, range(8)).leaders()[1]
+    for rank, rec in enumerate(records):
+        assert rec["error"] == LeaderError.__name__, (rank, rec)
+        assert f"leader rank {leader} (dp_rank 1)" in rec["message"] and "still loading step 4" in rec["message"], rec
+        assert rec["steps"] == 4 and rec["after"] < TIMEOUT + SLACK, rec

@@ -68,7 +68,8 @@ def _check(records, steps, max_growth, max_slope):
         fds0, fds_mid, fds_end = r["fds"]
         assert fds0 == fds_mid == fds_end, r  # nothing opened per step or per epoch
         threads0, threads_mid, threads_end = r["threads"]
-        assert threads_mid <= threads0 + 1 and threads_end <= threads0 + 1, r  # one transfer thread, no more
+        # the transfer thread and, on leaders, its stall watchdog; both joined at the end of the epoch
+        assert threads_mid <= threads0 + 2 and threads_end <= threads0 + 1, r  # (+1: seen once, a gloo thread)
 
 
 def _shm() -> set[str]:

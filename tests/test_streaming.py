@@ -8,6 +8,7 @@ killed run.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import tempfile
 import textwrap
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import ranks
@@ -236,4 +238,48 @@ def test_after_a_killed_run_the_next_run_starts_and_clean_stale_removes_the_left
     assert world.run(killed_then_restart, data, False, timeout=180) == [SAMPLES // 8] * 8
     assert leftovers() == stale
     assert world.run(killed_then_restart, data, True, timeout=180) == [SAMPLES // 8] * 8
+    assert leftovers() == []
+
+
+def checkpoint_then_die(data, path, checkpoint_at, die_at):
+    """Save the loader state after ``checkpoint_at`` steps, then the whole job dies (SIGKILL) at
+    ``die_at``; the ids each rank got before dying go to a file, line by line."""
+    rank = dist.get_rank()
+    try:
+        loader = _build(data, ("pp", "dp", "tp"), (2, 2, 2), 4)
+        with open(os.path.join(path, f"ids_{rank}.jsonl"), "w") as f:
+            for step, batch in enumerate(loader, 1):
+                f.write(json.dumps(batch["sample_id"].tolist()) + "\n")
+                f.flush()
+                if step == checkpoint_at:
+                    torch.save(loader.state_dict(), os.path.join(path, f"state_{rank}.pt"))
+                if step == die_at:
+                    break
+    finally:
+        os.kill(os.getpid(), signal.SIGKILL)  # every rank, whatever happened: a job killed by its scheduler
+
+
+def resume_after_kill(data, path):
+    mesh = ranks.make_mesh(("pp", "dp", "tp"), (2, 2, 2))
+    source = StreamingSource(mesh, local=data, batch_size=4, shuffle=True, shuffle_seed=7, num_canonical_nodes=2,
+                             clean_stale=True)  # the killed job's shared memory is still there
+    loader = CollectiveLoader(source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS)
+    loader.load_state_dict(torch.load(os.path.join(path, f"state_{dist.get_rank()}.pt"), weights_only=False))
+    tail = [b["sample_id"].tolist() for b in loader]
+    _free(loader)
+    return tail
+
+
+def test_resume_after_the_whole_job_was_killed(worlds, data, tmp_path):
+    world = worlds.get(8)
+    full = [[b["sample_id"].tolist() for b in r["epochs"][0]] for r in world.run(epochs, data, ("pp", "dp", "tp"), (2, 2, 2), timeout=180)]
+    world.run(checkpoint_then_die, data, str(tmp_path), 3, 6, dying=frozenset(range(8)), timeout=180)
+    tails = world.run(resume_after_kill, data, str(tmp_path), timeout=240)  # a fresh world
+    for rank in range(8):
+        with open(tmp_path / f"ids_{rank}.jsonl") as f:
+            before = [json.loads(line) for line in f]
+        assert before[:3] == full[rank][:3], rank  # what was delivered up to the checkpoint
+        assert tails[rank] == full[rank][3:], rank  # from step 4 on: the uninterrupted run
+        seen = {i for step in full[rank][:3] for i in step}
+        assert not seen & {i for step in tails[rank] for i in step}, rank  # nothing delivered twice
     assert leftovers() == []

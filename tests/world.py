@@ -90,6 +90,11 @@ class World:
         deadline = time.monotonic() + timeout
         try:
             self._collect(out, f"{fn.__name__} within {timeout}s", deadline)
+            while any(self._procs[r].is_alive() for r in dying) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            alive = [r for r in sorted(dying) if self._procs[r].is_alive()]
+            if alive:
+                raise TimeoutError(f"ranks {alive} were to die in {fn.__name__} and still ran after {timeout}s")
         finally:
             if dying:
                 self.kill()
