@@ -54,9 +54,16 @@ def bad_batch(kind: str):
                 del batch["labels"]
             if kind == "extra" and step == 1:
                 batch["surprise"] = 1
+            if kind == "not_a_mapping" and step == 1:
+                batch = list(batch.values())
+            if kind == "object" and step == 2:
+                batch["sample_id"] = object()
+            if kind == "over_cap" and step == 3:
+                batch["input_ids"] = batch["input_ids"].repeat(1, 8)  # 8x the bytes, still splittable
             yield batch
 
-    loader, _ = _loader(source)
+    # a step's first-stage payload is about 1 KiB; the grown batch is about 3 KiB
+    loader, _ = _loader(source, max_batch_bytes=2048)
     return _consume(loader)
 
 
@@ -145,6 +152,9 @@ def test_source_exception_reaches_every_rank(world, at_step):
         ("missing", 2, "missing keys ['labels']"),
         ("extra", 1, "keys ['surprise'] that are in neither"),
         ("length", 0, "key 'input_ids' has length 10 along dim 1; the zigzag layout over cp=2 needs a multiple of 4"),
+        ("not_a_mapping", 1, "a batch must be a mapping of str to tensors, got list"),
+        ("object", 2, "cannot deliver builtins.object at 'sample_id'"),
+        ("over_cap", 3, "first-stage payload is"),
     ],
 )
 def test_bad_batch_is_a_value_error_everywhere(world, kind, at_step, needle):

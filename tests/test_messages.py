@@ -77,3 +77,53 @@ def test_reused_buffers_stop_the_allocations(worlds):
         assert d["allocations"] <= (2 if d["leader"] else 1) * 8, d
         # a loop that keeps them: a fresh buffer for (about) every step
         assert k["allocations"] >= steps, k
+
+
+def odd_batch(step: int) -> dict:
+    """A batch of everything a batch may hold, different at every step."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6) + step
+    return {
+        **ranks.sample_batch([step], 16),
+        "extra": {
+            "mask": base > 10,
+            "bf16": base.to(torch.bfloat16),
+            "f8": base.to(torch.float8_e4m3fn),
+            "c64": torch.complex(base, -base),
+            "scalar": torch.tensor(step * 1.5, dtype=torch.float64),
+            "empty": torch.empty(0, 3, dtype=torch.int16),
+            "strided": base.t(),  # non-contiguous
+            "grad": base.clone().requires_grad_(True),
+            "meta": {"name": f"step-{step}", "n": step, "x": 0.25, "flags": [True, None, "a", [1, 2]]},
+        },
+    }
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(got, want) -> bool:
+    if isinstance(want, torch.Tensor):
+        return (isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+                and torch.equal(_bytes(got), _bytes(want)) and not got.requires_grad)
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
+    return got == want
+
+
+def odd_values(steps: int):
+    mesh = ranks.make_mesh(*MESH)
+    keys = {**ranks.KEYS, "inputs": ranks.KEYS["inputs"] + ("extra",)}
+    loader = CollectiveLoader(lambda: (odd_batch(i) for i in range(steps)), mesh, **keys, timeout=60)
+    wrong = []
+    for step, batch in enumerate(loader):
+        stage = loader.place.stage
+        want = loader.routing.piece(loader.routing.select(odd_batch(step), stage), loader.place.shard)
+        if not _same(batch, want):
+            wrong.append(step)
+    loader.close()
+    return wrong
+
+
+def test_every_kind_of_value_arrives_bit_exact(worlds):
+    assert worlds.get(8).run(odd_values, 6, timeout=120) == [[]] * 8
