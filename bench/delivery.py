@@ -49,6 +49,7 @@ from collective_loader import CollectiveLoader, launch, wire
 from collective_loader.layout import MeshLayout, group_count
 from collective_loader.buffers import BufferPool
 from collective_loader.wire import Header, Kind
+from machine import machine  # bench/machine.py: run as python bench/<name>.py
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KIB, MIB = 1 << 10, 1 << 20
@@ -776,13 +777,6 @@ def plot_scale(plt: Any, scale: list[dict[str, Any]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def machine() -> str:
-    with open("/proc/cpuinfo") as f:
-        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({model}), {ram:.0f} GiB RAM"
 
 
 def main(argv: list[str] | None = None) -> int:

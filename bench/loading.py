@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 
 from collective_loader import CollectiveLoader, launch
 from collective_loader.streaming import StreamingSource, release
+from machine import machine  # bench/machine.py: run as python bench/<name>.py
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MESH = (("dp", "pp", "tp"), (2, 2, 2))
@@ -272,11 +273,6 @@ def markdown(results: dict[str, Any]) -> str:
         cells = [f"{r['cpu']:.1f} / {(r['peak_rss'] - r['rss_start']) / mib:.0f}" for r in first["ranks"]]
         lines.append(f"| {v.replace('_', ' ')} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def machine() -> str:
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, {ram:.0f} GiB RAM"
 
 
 def main(argv: list[str] | None = None) -> int:
