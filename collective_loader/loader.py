@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -164,7 +165,7 @@ class CollectiveLoader:
         self.max_batch_bytes = int(max_batch_bytes)
         # a buffer per step in flight (the queue, the loop's batch, the one being filled) per
         # distinct scatter part; a loop that keeps batches makes the pool allocate, never overwrite
-        parts = len({self.mesh_layout.place(r).shard for r in self.mesh_layout.ranks}) if delivery == "scatter" else 1
+        parts = math.prod(size for _, size in shard_dims) if delivery == "scatter" else 1
         self._groups = transport.build_groups(
             self.mesh_layout, self.place, self.timeout, delivery == "scatter", (self.prefetch + 2) * parts
         )

@@ -93,6 +93,7 @@ def odd_batch(step: int) -> dict:
             "empty": torch.empty(0, 3, dtype=torch.int16),
             "strided": base.t(),  # non-contiguous
             "grad": base.clone().requires_grad_(True),
+            "varying": base.to(torch.int32 if step % 2 else torch.float64)[: 1 + step % 3],  # dtype, shape change
             "meta": {"name": f"step-{step}", "n": step, "x": 0.25, "flags": [True, None, "a", [1, 2]]},
         },
     }
