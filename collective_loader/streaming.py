@@ -271,6 +271,11 @@ def release(dataset: Any) -> None:
     Streaming only does the first at interpreter exit and never the second. Call it once every
     process on the node that uses the dataset's blocks is done with them.
     """
+    iterator = getattr(dataset, "_iterator", None)
+    if iterator is not None:
+        # an epoch left early still has streaming's download threads reading the blocks: stop
+        # them first (streaming's own call for this; it waits until they have exited)
+        iterator.exit()
     for shm in _shared_memories(dataset):
         atexit.unregister(shm.cleanup)  # streaming registers one per block; it would run again
         shm.cleanup()

@@ -283,3 +283,22 @@ def test_resume_after_the_whole_job_was_killed(worlds, data, tmp_path):
         seen = {i for step in full[rank][:3] for i in step}
         assert not seen & {i for step in tails[rank] for i in step}, rank  # nothing delivered twice
     assert leftovers() == []
+
+
+def left_early(data):
+    """Leave an epoch after 2 steps; on leaders, report whether streaming's download threads
+    for it had exited before its shared memory was freed."""
+    loader = _build(data, ("pp", "dp", "tp"), (2, 2, 2), 4)
+    it = iter(loader)
+    next(it), next(it)
+    iterator = loader._source.dataset._iterator if loader.is_leader else None
+    _free(loader)
+    from streaming.base.dataset import _IterState
+
+    return None if iterator is None else _IterState(iterator._state).name
+
+
+def test_an_epoch_left_early_stops_streamings_threads_before_release(world, data):
+    states = [s for s in world.run(left_early, data, timeout=120) if s is not None]
+    assert states == ["EXITED", "EXITED"]
+    assert leftovers() == []
