@@ -1,9 +1,11 @@
 """``CollectiveLoader``: one leader per data-parallel replica loads; every rank gets what it needs.
 
 Per step the leader takes one batch from its source, agrees with the other replicas' leaders on
-whether every replica has one (so all replicas stop at the same step), and sends one header and
-one payload collective per delivery group (first stage, last stage; middle stages get the header
-only). Every rank runs the transfer on a background thread that works at most ``prefetch`` steps
+whether every replica has one (so all replicas stop at the same step), and sends one message
+(header, description and tensors in one buffer) per delivery group: first stage, last stage, and
+a header-only message to the middle stages. While batch sizes repeat that is one collective per
+group (see :class:`~collective_loader.transport.Channel`). A watchdog on each leader reports a
+source that stalls. Every rank runs the transfer on a background thread that works at most ``prefetch`` steps
 ahead of what its training loop has consumed, so delivery overlaps compute, and no rank ever
 waits inside a collective for a peer that is not about to post the matching one.
 """

@@ -1,4 +1,4 @@
-"""Process groups and the collectives that move headers and payloads.
+"""Process groups and the collectives that move messages (a header and a payload in one buffer).
 
 Everything that calls ``torch.distributed`` lives here. Groups are built once, by every rank, in
 the same order (``dist.new_group`` is collective over the default group). Control messages
