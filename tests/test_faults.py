@@ -109,7 +109,9 @@ def test_dataloader_worker_crash_is_a_leader_error_everywhere(worlds):
     leader = MeshLayout.build(*MESH, range(8)).leaders()[1]
     for rank, rec in enumerate(records):
         assert rec["error"] == LeaderError.__name__, (rank, rec)
-        assert f"leader rank {leader} (dp_rank 1)" in rec["message"] and "exited unexpectedly" in rec["message"], rec
+        assert f"leader rank {leader} (dp_rank 1)" in rec["message"], rec
+        # what the DataLoader raised, as it saw the worker go: its own check, or the broken pipe
+        assert "exited unexpectedly" in rec["message"] or "ConnectionResetError" in rec["message"], rec
     # every rank stops at the same step, before the batch that holds sample 20 (step 11 of 32)
     assert len({rec["steps"] for rec in records}) == 1 and records[0]["steps"] < 11, records
 
