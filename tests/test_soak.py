@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -35,6 +36,20 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _ours() -> int:
+    return sum(t.name.startswith("collective_loader") for t in threading.enumerate())
+
+
+def _settled_threads(at_most: int, wait: float = 2.0) -> int:
+    """The OS thread count, given ``wait`` seconds to fall to ``at_most``: a joined Python thread
+    is still listed in /proc until its OS thread has finished exiting (seen here as +2 on a loaded
+    machine); a leaked one never leaves."""
+    deadline = time.monotonic() + wait
+    while (n := _threads()) > at_most and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return n
+
+
 def soak(steps: int):
     """One epoch of ``steps`` steps of fresh batches; RSS sampled every 1% of the steps."""
     mesh = ranks.make_mesh(*MESH)
@@ -47,10 +62,10 @@ def soak(steps: int):
     n = 0
     for n, batch in enumerate(loader, 1):
         if n == warm:
-            in_epoch = (_fds(), _threads())
+            in_epoch = (_fds(), _threads(), _ours())
         if n >= warm and n % max(1, steps // 100) == 0:
             samples.append((n, _rss()))
-    end_of_epoch = (_fds(), _threads())
+    end_of_epoch = (_fds(), _settled_threads(threads0), _ours())
     loader.close()
     steps_at, rss = np.array(samples, dtype=np.float64).T
     slope = float(np.polyfit(steps_at, rss, 1)[0])  # bytes per step
@@ -58,6 +73,7 @@ def soak(steps: int):
         "rank": dist.get_rank(), "steps": n, "slope": slope, "growth": float(rss[-1] - rss[0]),
         "fds": (fds0, *[x[0] for x in (in_epoch, end_of_epoch)]),
         "threads": (threads0, *[x[1] for x in (in_epoch, end_of_epoch)]),
+        "ours": (in_epoch[2], end_of_epoch[2]), "leader": ranks.mesh_place(mesh, dist.get_rank()).is_leader,
     }
 
 
@@ -67,9 +83,10 @@ def _check(records, steps, max_growth, max_slope):
         assert r["growth"] < max_growth and r["slope"] < max_slope, r
         fds0, fds_mid, fds_end = r["fds"]
         assert fds0 == fds_mid == fds_end, r  # nothing opened per step or per epoch
+        # in the epoch: the transfer thread and, on leaders, its stall watchdog; both gone after it
+        assert r["ours"] == (2 if r["leader"] else 1, 0), r
         threads0, threads_mid, threads_end = r["threads"]
-        # the transfer thread and, on leaders, its stall watchdog; both joined at the end of the epoch
-        assert threads_mid <= threads0 + 2 and threads_end <= threads0 + 1, r  # (+1: one extra thread seen once at the end, not identified)
+        assert threads_mid <= threads0 + r["ours"][0] and threads_end <= threads0, r
 
 
 def _shm() -> set[str]:
