@@ -10,7 +10,8 @@ a. *copies*: every rank holds exactly its keys, replicated keys equal the full t
 b. *shards*: each rank's piece is its slice, and the pieces of a step reassemble the full tensor;
 c. *labels match inputs*: the last stage's samples at step k are the first stage's at step k;
 d. *coverage*: replicas get disjoint samples that together are exactly the expected set;
-e. *middle stages* get empty batches, and every rank sees the same number of steps.
+e. *middle stages* get only the ``every_stage`` keys (often nothing), and every rank sees the
+   same number of steps.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def check(
         "b": "shard pieces are their slices and reassemble the full tensor",
         "c": "last-stage labels belong to the first stage's samples, same step",
         "d": "replicas disjoint, together covering every sample exactly once",
-        "e": "middle stages get nothing; every rank sees the same steps",
+        "e": "middle stages get only every_stage keys; every rank sees the same steps",
     }
     return [Verdict(f"({k}) {v}", not problems[k], "; ".join(problems[k][:3])) for k, v in names.items()]
 
@@ -98,7 +99,7 @@ def _check_step(
     ids_by_stage: dict[str, set[tuple[int, ...]]] = defaultdict(set)
     for rec in recs:
         batch = rec.steps[step]
-        if rec.stage == "middle":
+        if rec.stage == "middle" and not routing.every_stage:
             if batch:
                 problems["e"].append(f"{where}: middle-stage rank {rec.rank} got keys {sorted(batch)}")
             continue
@@ -112,12 +113,12 @@ def _check_step(
     full = expected(ids)
     pieces: dict[str, dict[tuple[int, ...], torch.Tensor]] = defaultdict(dict)
     for rec in recs:
-        if rec.stage == "middle":
+        if rec.stage == "middle" and not routing.every_stage:
             continue
         batch = rec.steps[step]
         want_keys = set(routing.select(full, rec.stage))
         if set(batch) != want_keys:
-            problems["a"].append(f"{where}: rank {rec.rank} ({rec.stage}) got keys {sorted(batch)}, want {sorted(want_keys)}")
+            problems["e" if rec.stage == "middle" else "a"].append(f"{where}: rank {rec.rank} ({rec.stage}) got keys {sorted(batch)}, want {sorted(want_keys)}")
             continue
         for key, value in batch.items():
             # a wrong label-only key means labels and inputs came apart: that is (c)

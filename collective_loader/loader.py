@@ -3,7 +3,7 @@
 Per step the leader takes one batch from its source, agrees with the other replicas' leaders on
 whether every replica has one (so all replicas stop at the same step), and sends one message
 (header, description and tensors in one buffer) per delivery group: first stage, last stage, and
-a header-only message to the middle stages. While batch sizes repeat that is one collective per
+middle stages (a header-only message unless ``every_stage`` keys exist). While batch sizes repeat that is one collective per
 group (see :class:`~collective_loader.transport.Channel`). A watchdog on each leader reports a
 source that stalls. Every rank runs the transfer on a background thread that works at most ``prefetch`` steps
 ahead of what its training loop has consumed, so delivery overlaps compute, and no rank ever
@@ -108,6 +108,8 @@ class CollectiveLoader:
         mesh: a ``DeviceMesh`` with named dims, in any order, holding every rank of the world.
         inputs: keys delivered to every rank of the first pipeline stage.
         labels: keys delivered to every rank of the last pipeline stage.
+        every_stage: keys delivered to every rank of every stage, middle stages included (e.g.
+            packed-sequence metadata like ``cu_seqlens`` that every attention layer reads).
         seq_dims: keys split over the shard dims, and along which dim; other keys are copied.
         layout: ``"zigzag"`` or ``"contiguous"``: how a sequence is split over a shard dim.
         roles: ``{dim_name: "data" | "pipeline" | "replicate" | "shard"}`` overriding the
@@ -137,6 +139,7 @@ class CollectiveLoader:
         *,
         inputs: tuple[str, ...] = ("input_ids", "position_ids"),
         labels: tuple[str, ...] = ("labels",),
+        every_stage: tuple[str, ...] = (),
         seq_dims: Mapping[str, int] | None = None,
         layout: Layout = "zigzag",
         roles: Mapping[str, str] | None = None,
@@ -158,7 +161,7 @@ class CollectiveLoader:
             (n, s) for n, s, r in zip(self.mesh_layout.dim_names, self.mesh_layout.shape, self.mesh_layout.roles)
             if r == "shard"
         )
-        self.routing = Routing(tuple(inputs), tuple(labels), dict(seq_dims or {}), layout, shard_dims)
+        self.routing = Routing(tuple(inputs), tuple(labels), dict(seq_dims or {}), layout, shard_dims, tuple(every_stage))
         self.delivery = delivery
         self.prefetch = max(2, self.place.pp_size) if prefetch is None else int(prefetch)
         if self.prefetch < 1:
@@ -169,7 +172,8 @@ class CollectiveLoader:
         # distinct scatter part; a loop that keeps batches makes the pool allocate, never overwrite
         parts = math.prod(size for _, size in shard_dims) if delivery == "scatter" else 1
         self._groups = transport.build_groups(
-            self.mesh_layout, self.place, self.timeout, delivery == "scatter", (self.prefetch + 2) * parts
+            self.mesh_layout, self.place, self.timeout, delivery == "scatter", (self.prefetch + 2) * parts,
+            middle_data=bool(self.routing.every_stage),
         )
         self._check_same_config()
         self._source = self._build_source(source)
@@ -211,7 +215,7 @@ class CollectiveLoader:
         r = self.routing
         return (
             f"mesh=[{self.mesh_layout.describe()}] ranks={list(self.mesh_layout.ranks)} inputs={list(r.inputs)} "
-            f"labels={list(r.labels)} seq_dims={dict(sorted(r.seq_dims.items()))} layout={r.layout} "
+            f"labels={list(r.labels)} every_stage={list(r.every_stage)} seq_dims={dict(sorted(r.seq_dims.items()))} layout={r.layout} "
             f"delivery={self.delivery} prefetch={self.prefetch} timeout={self.timeout} "
             f"max_batch_bytes={self.max_batch_bytes}"
         )
@@ -460,7 +464,7 @@ class _Epoch(Iterator[Batch]):
                 batch = next(self._source_iter)
             source_state = loader._source.state_dict() if hasattr(loader._source, "state_dict") else None
             loader.routing.check(batch)
-            parts = {name: self._pack(ch, step, batch) for name, ch in groups.channels.items() if name != "middle"}
+            parts = {name: self._pack(ch, step, batch) for name, ch in groups.channels.items() if ch.carries_data}
         except StopIteration:
             kind = Kind.END
         except BatchError as e:
@@ -611,7 +615,7 @@ class _Epoch(Iterator[Batch]):
         return message, nbytes, len(plan.meta)
 
     def _send(self, channel: transport.Channel, step: int, packed: Any) -> None:
-        if channel.name == "middle":
+        if not channel.carries_data:
             channel.send_plan(Kind.DATA, step)
             return
         message, nbytes, _ = packed
@@ -627,7 +631,7 @@ class _Epoch(Iterator[Batch]):
         if header.kind == Kind.END:
             self._queue.put(_Item(Kind.END))
             return Kind.END
-        if channel.name == "middle" and header.kind == Kind.DATA:
+        if not channel.carries_data and header.kind == Kind.DATA:
             self._queue.put(_Item(Kind.DATA, {}))
             return Kind.DATA
         if header.kind == Kind.DATA:

@@ -3,7 +3,9 @@
 Pure logic over batches (mappings of str to tensors and plain values); no communication.
 
 * keys in ``inputs`` go to the first pipeline stage, keys in ``labels`` to the last stage (a key
-  may be in both); with one stage every rank gets both, middle stages get nothing;
+  may be in both), keys in ``every_stage`` to every stage, middle ones included (packed-sequence
+  metadata such as ``cu_seqlens``, which every layer's attention reads); with one stage every
+  rank gets all keys, middle stages get only the ``every_stage`` keys;
 * keys in ``seq_dims`` are split along that dim over the shard dims (see
   :mod:`collective_loader.sharding`); every other key is replicated.
 """
@@ -21,7 +23,8 @@ from collective_loader.errors import BatchError
 
 @dataclass(frozen=True)
 class Routing:
-    """What goes where. ``shard_dims`` lists ``(name, size)`` of the shard dims, outermost first.
+    """What goes where. ``shard_dims`` lists ``(name, size)`` of the shard dims, outermost first;
+    ``every_stage`` lists the keys every pipeline stage receives.
 
     Example::
 
@@ -37,18 +40,25 @@ class Routing:
     seq_dims: Mapping[str, int]
     layout: sharding.Layout
     shard_dims: tuple[tuple[str, int], ...] = field(default=())
+    every_stage: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        for name in ("inputs", "labels"):
+        for name in ("inputs", "labels", "every_stage"):
             keys = getattr(self, name)
             if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
                 raise TypeError(f"{name} must be a sequence of str keys, got {keys!r}")
             object.__setattr__(self, name, tuple(keys))
-        if not self.inputs and not self.labels:
-            raise ValueError("inputs and labels are both empty: nothing would be delivered")
-        unknown = sorted(set(self.seq_dims) - set(self.inputs) - set(self.labels))
+        if not self.inputs and not self.labels and not self.every_stage:
+            raise ValueError("inputs, labels and every_stage are all empty: nothing would be delivered")
+        twice = sorted(set(self.every_stage) & (set(self.inputs) | set(self.labels)))
+        if twice:
+            raise ValueError(
+                f"keys {twice} are in every_stage and also in inputs or labels; every_stage already "
+                "reaches the first and last stages, so list them there only"
+            )
+        unknown = sorted(set(self.seq_dims) - set(self.keys))
         if unknown:
-            raise ValueError(f"seq_dims names keys {unknown} that are in neither inputs nor labels")
+            raise ValueError(f"seq_dims names keys {unknown} that are in none of inputs, labels and every_stage")
         for key, dim in self.seq_dims.items():
             if not isinstance(dim, int) or isinstance(dim, bool):
                 raise TypeError(f"seq_dims[{key!r}] must be an int dim, got {dim!r}")
@@ -56,7 +66,7 @@ class Routing:
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(self.inputs + self.labels))
+        return tuple(dict.fromkeys(self.inputs + self.labels + self.every_stage))
 
     def check(self, batch: Any) -> None:
         """Raise :class:`BatchError` unless ``batch`` can be delivered whole to every rank."""
@@ -68,8 +78,8 @@ class Routing:
         extra = [k for k in batch if k not in self.keys]
         if extra:
             raise BatchError(
-                f"batch has keys {extra} that are in neither inputs={self.inputs} nor labels={self.labels}; "
-                "list each key a stage needs, or drop it in the source"
+                f"batch has keys {extra} that are in none of inputs={self.inputs}, labels={self.labels} and "
+                f"every_stage={self.every_stage}; list each key a stage needs, or drop it in the source"
             )
         sizes = [size for _, size in self.shard_dims]
         if not sizes or all(s == 1 for s in sizes):
@@ -92,10 +102,10 @@ class Routing:
     def select(self, batch: Mapping[str, Any], stage: str) -> dict[str, Any]:
         """The keys a stage (``first``, ``last``, ``both``, ``middle``) receives, in batch order."""
         wanted = {
-            "first": self.inputs,
-            "last": self.labels,
+            "first": self.inputs + self.every_stage,
+            "last": self.labels + self.every_stage,
             "both": self.keys,
-            "middle": (),
+            "middle": self.every_stage,
         }[stage]
         return {k: v for k, v in batch.items() if k in wanted}
 

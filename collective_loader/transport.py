@@ -48,7 +48,8 @@ class Channel:
     default backend and ``device`` is the GPU. ``pool`` reuses CPU buffers (None on GPUs, where
     the caching allocator does that). On a ``scattered`` channel every message is a scatter of
     equal-sized per-member messages (receivers must know how to receive before they see a
-    header); end and error messages are then the same message for every member.
+    header); end and error messages are then the same message for every member. A channel that
+    does not ``carry_data`` (middle stages without ``every_stage`` keys) only ever gets headers.
     """
 
     name: str
@@ -58,6 +59,7 @@ class Channel:
     device: torch.device
     scattered: bool = False
     pool: BufferPool | None = None
+    carries_data: bool = True
     frame_nbytes: int = wire.HEADER_BYTES
     # what this rank moved through the channel: the leader counts bytes it sends to each peer
     collectives: int = 0
@@ -154,11 +156,14 @@ class Groups:
     count: int  # groups created by every rank
 
 
-def build_groups(layout: MeshLayout, place: Place, timeout: float, scatter: bool, buffers_per_channel: int) -> Groups:
+def build_groups(
+    layout: MeshLayout, place: Place, timeout: float, scatter: bool, buffers_per_channel: int, middle_data: bool
+) -> Groups:
     """Create every group the loader needs. Must be called by every rank, in the same order.
 
-    ``scatter``: the first- and last-stage channels scatter; ``buffers_per_channel``: how many
-    CPU buffers each delivery channel keeps for reuse.
+    ``scatter``: the delivery channels that carry data scatter; ``buffers_per_channel``: how many
+    CPU buffers each delivery channel keeps for reuse; ``middle_data``: whether middle stages get
+    data (``every_stage`` keys) or only headers.
     """
     backend = dist.get_backend()
     on_gpu = backend != "gloo"
@@ -181,13 +186,13 @@ def build_groups(layout: MeshLayout, place: Place, timeout: float, scatter: bool
         if group is not None:
             mine = Channel("replica", replica.ranks, replica.leader, group, cpu)
         for name, ranks in replica.all():
-            # middle stages only ever get headers and error messages: keep them on gloo and the CPU
-            where = cpu if name == "middle" else device
+            # middle stages that only ever get headers and error messages stay on gloo and the CPU
+            data = name != "middle" or middle_data
+            where = device if data else cpu
             group = make(ranks, "gloo" if where.type == "cpu" else backend)
             if group is not None:
                 pool = BufferPool(buffers_per_channel) if where.type == "cpu" else None
-                scattered = scatter and name != "middle"
-                channels[name] = Channel(name, ranks, replica.leader, group, where, scattered, pool)
+                channels[name] = Channel(name, ranks, replica.leader, group, where, scatter and data, pool, data)
     assert control is not None and mine is not None
     return Groups(control, leaders, channels, mine, device, count)
 

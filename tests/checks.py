@@ -18,9 +18,11 @@ def verify(
     seq_len: int,
     layout: str = "zigzag",
     epochs: int = 1,
+    every_stage: tuple[str, ...] = (),
 ) -> None:
     dp_size = records[0]["dp_size"]
-    routing = Routing(KEYS["inputs"], KEYS["labels"], KEYS["seq_dims"], layout)
+    routing = Routing(KEYS["inputs"], KEYS["labels"], KEYS["seq_dims"], layout, every_stage=every_stage)
+    packed = bool(every_stage)
     for rec in records:
         assert rec["touched_source"] == ([rec["rank"]] if rec["is_leader"] else []), "only leaders build the source"
     steps = n_samples // dp_size // batch_size
@@ -30,7 +32,7 @@ def verify(
         ]
         for rec in epoch_records:
             assert len(rec.steps) == steps, f"rank {rec.rank} got {len(rec.steps)} steps in epoch {epoch}, want {steps}"
-        verdicts = invariants.check(epoch_records, routing, lambda ids: sample_batch(ids, seq_len), range(n_samples))
+        verdicts = invariants.check(epoch_records, routing, lambda ids: sample_batch(ids, seq_len, packed), range(n_samples))
         failed = [f"{v.name}: {v.detail}" for v in verdicts if not v.ok]
         assert not failed, f"epoch {epoch}:\n" + "\n".join(failed)
         for rec in epoch_records:

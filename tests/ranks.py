@@ -22,23 +22,30 @@ KEYS = dict(
 )
 
 
-def sample_batch(ids: list[int], seq_len: int) -> dict[str, torch.Tensor]:
+def sample_batch(ids: list[int], seq_len: int, packed: bool = False) -> dict[str, torch.Tensor]:
+    """One batch of ``ids``; ``packed`` adds ``cu_seqlens``, offsets of made-up documents that
+    depend on the ids (so a rank holding another step's offsets is caught)."""
     ids_t = torch.tensor(ids, dtype=torch.int64)
     pos = torch.arange(seq_len, dtype=torch.int64)
     input_ids = ids_t[:, None] * 1000 + pos[None, :]
-    return {
+    batch = {
         "input_ids": input_ids,
         "position_ids": pos.expand(len(ids), seq_len).clone(),
         "labels": input_ids + 1,
         "sample_id": ids_t,
     }
+    if packed:
+        batch["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(ids_t % 7 + 1, 0)]).int()
+    return batch
 
 
-def id_batches(dp_rank: int, dp_size: int, n_samples: int, batch_size: int, seq_len: int) -> Iterator[dict]:
+def id_batches(
+    dp_rank: int, dp_size: int, n_samples: int, batch_size: int, seq_len: int, packed: bool = False
+) -> Iterator[dict]:
     """Replica ``dp_rank``'s share of ``n_samples`` (strided, disjoint), in batches; drops the remainder."""
     mine = list(range(dp_rank, n_samples, dp_size))
     for start in range(0, len(mine) - batch_size + 1, batch_size):
-        yield sample_batch(mine[start : start + batch_size], seq_len)
+        yield sample_batch(mine[start : start + batch_size], seq_len, packed)
 
 
 def make_mesh(dims: tuple[str, ...], shape: tuple[int, ...]):
@@ -63,7 +70,8 @@ def deliver(
 
     def source():
         touched.append(dist.get_rank())
-        return _Reiterable(lambda: id_batches(dp_rank, dp_size, n_samples, batch_size, seq_len))
+        packed = bool(options.get("every_stage"))
+        return _Reiterable(lambda: id_batches(dp_rank, dp_size, n_samples, batch_size, seq_len, packed))
 
     loader = CollectiveLoader(source, mesh, **{**KEYS, **options})
     epochs_out = [[{k: v.clone() for k, v in batch.items()} for batch in loader] for _ in range(epochs)]

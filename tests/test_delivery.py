@@ -43,7 +43,8 @@ def _run(worlds, dims, shape, layout, delivery, **kw):
         ranks.deliver, dims, shape, n_samples=n_samples, batch_size=batch_size, seq_len=SEQ,
         layout=layout, delivery=delivery, timeout=120, **kw,
     )
-    verify(records, n_samples=n_samples, batch_size=batch_size, seq_len=SEQ, layout=layout, epochs=kw.get("epochs", 1))
+    verify(records, n_samples=n_samples, batch_size=batch_size, seq_len=SEQ, layout=layout, epochs=kw.get("epochs", 1),
+           every_stage=kw.get("every_stage", ()))
     mesh = MeshLayout.build(dims, shape, range(math.prod(shape)), kw.get("roles"))
     assert {r["group_count"] for r in records} == {group_count(mesh.dp_size, mesh.pp_size)}
     return records
@@ -83,3 +84,12 @@ def test_mesh_12(worlds, dims, shape, delivery):
 @pytest.mark.parametrize("dims,shape", MESHES_24, ids=lambda x: ",".join(map(str, x)))
 def test_mesh_24(worlds, dims, shape, delivery):
     _run(worlds, dims, shape, "zigzag", delivery)
+
+
+@pytest.mark.parametrize("delivery", ["broadcast", "scatter"])
+def test_every_stage_keys_reach_middle_stages_12(worlds, delivery):
+    """Packed-sequence offsets go to all three stages; middle stages get exactly that key."""
+    records = _run(worlds, ("pp", "dp", "cp"), (3, 2, 2), "zigzag", delivery, every_stage=("cu_seqlens",))
+    middle = [r for r in records if r["stage"] == "middle"]
+    assert len(middle) == 4
+    assert all(set(b) == {"cu_seqlens"} for r in middle for b in r["epochs"][0])

@@ -15,24 +15,24 @@ DIMS, SHAPE = ("pp", "dp", "cp", "tp"), (3, 2, 2, 2)
 SEQ, N, B = 16, 16, 2
 
 
-def _records(layout="zigzag") -> tuple[list[RankRecord], Routing]:
+def _records(layout="zigzag", every_stage=()) -> tuple[list[RankRecord], Routing]:
     """What a correct delivery gives every rank, computed without processes."""
     mesh = MeshLayout.build(DIMS, SHAPE, range(24))
     shard_dims = (("cp", 2),)
-    routing = Routing(KEYS["inputs"], KEYS["labels"], KEYS["seq_dims"], layout, shard_dims)
+    routing = Routing(KEYS["inputs"], KEYS["labels"], KEYS["seq_dims"], layout, shard_dims, every_stage)
     records = []
     for rank in range(24):
         place = mesh.place(rank)
         steps = [
             routing.piece(routing.select(batch, place.stage), place.shard)
-            for batch in id_batches(place.dp_rank, 2, N, B, SEQ)
+            for batch in id_batches(place.dp_rank, 2, N, B, SEQ, packed=bool(every_stage))
         ]
         records.append(RankRecord(rank, place.dp_rank, place.stage, place.shard, steps))
     return records, routing
 
 
 def _failed(records, routing) -> set[str]:
-    verdicts = check(records, routing, lambda ids: sample_batch(ids, SEQ), range(N))
+    verdicts = check(records, routing, lambda ids: sample_batch(ids, SEQ, bool(routing.every_stage)), range(N))
     return {v.name[:3] for v in verdicts if not v.ok}
 
 
@@ -96,3 +96,13 @@ def test_middle_stage_with_data_or_extra_step_fails_e():
     records, routing = _records()
     _first(records, "first").steps.append({})
     assert "(e)" in _failed(records, routing)
+
+
+def test_every_stage_keys_checked_on_middle_stages():
+    records, routing = _records(every_stage=("cu_seqlens",))
+    assert _failed(records, routing) == set()
+    middle = _first(records, "middle", dp_rank=1)
+    middle.steps[1]["cu_seqlens"] = records[0].steps[0]["cu_seqlens"]  # another step's offsets
+    assert _failed(records, routing) == {"(a)"}
+    del middle.steps[1]["cu_seqlens"]
+    assert _failed(records, routing) == {"(e)"}

@@ -38,7 +38,7 @@ def test_keys_dedup_in_order():
         (dict(inputs="ids"), TypeError, "inputs"),
         (dict(labels="labels"), TypeError, "labels"),
         (dict(inputs=(1,)), TypeError, "inputs"),
-        (dict(inputs=(), labels=(), seq_dims={}), ValueError, "both empty"),
+        (dict(inputs=(), labels=(), seq_dims={}), ValueError, "all empty"),
         (dict(layout="ring"), ValueError, "layout"),
     ],
 )
@@ -72,6 +72,35 @@ def test_select_key_in_both_goes_to_both_stages():
     b = {"y": 1, "shared": 2, "x": 3}
     assert r.select(b, "first") == {"shared": 2, "x": 3}
     assert r.select(b, "last") == {"y": 1, "shared": 2}
+
+
+def test_every_stage_keys_reach_every_stage_middle_included():
+    r = Routing(("x",), ("y",), {"cu": 0}, "contiguous", every_stage=("cu",))
+    b = {"cu": torch.tensor([0, 3, 8]), "y": 1, "x": 3}
+    assert r.keys == ("x", "y", "cu")
+    assert list(r.select(b, "first")) == ["cu", "x"]
+    assert list(r.select(b, "last")) == ["cu", "y"]
+    assert list(r.select(b, "middle")) == ["cu"]
+    assert list(r.select(b, "both")) == ["cu", "y", "x"]
+    r.check(b)  # every_stage keys count as listed keys
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(inputs=("x", "cu")), ValueError, r"\['cu'\] are in every_stage and also"),
+        (dict(every_stage="cu"), TypeError, "every_stage"),
+        (dict(seq_dims={"z": 0}), ValueError, "none of inputs, labels and every_stage"),
+    ],
+)
+def test_every_stage_errors(kwargs, exc, match):
+    args = dict(inputs=("x",), labels=("y",), seq_dims={}, layout="contiguous", every_stage=("cu",)) | kwargs
+    with pytest.raises(exc, match=match):
+        Routing(**args)
+
+
+def test_every_stage_alone_is_valid():
+    assert Routing((), (), {}, "contiguous", every_stage=("cu",)).select({"cu": 1}, "middle") == {"cu": 1}
 
 
 # --- check ------------------------------------------------------------------------------------
