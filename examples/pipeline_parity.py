@@ -9,7 +9,8 @@ A tiny decoder-only transformer (embedding, 8 causal self-attention blocks, head
 pipeline stages and trained with ``torch.distributed.pipelining`` schedules (4 micro-batches per
 step) on a gloo world whose mesh is built by TorchTitan's own ``ParallelDims``:
 
-* ``pp2-dp2`` (4 ranks): two stages, data parallel over 2 replicas; GPipe, 1F1B;
+* ``pp2-dp2`` (4 ranks): two stages, data parallel over 2 replicas with FSDP2 (``fully_shard``
+  of each stage over the ``dp_shard`` mesh); GPipe, 1F1B;
 * ``pp2-dp2-tp2`` (8 ranks): the same with DTensor tensor parallelism inside each stage
   (``parallelize_module``: column-wise q, k, v and first MLP layer, row-wise attention output
   and second MLP layer); GPipe, 1F1B;
@@ -17,8 +18,9 @@ step) on a gloo world whose mesh is built by TorchTitan's own ``ParallelDims``:
   Interleaved1F1B, LoopedBFS. Pipeline ranks 1 and 2 are middle stages: the loader gives them
   ``{}`` and they pass nothing to ``schedule.step``.
 
-Data parallelism averages gradients over the ``dp_shard`` mesh with an all-reduce (on the local
-shards of DTensor gradients). CollectiveLoader over a real ``StreamingDataset`` on MDS shards
+In the tp case data parallelism is a gradient all-reduce over the ``dp_shard`` mesh (on the local
+shards of the DTensor gradients); FSDP2 over TP's DTensors would need a 2-D (dp_shard, tp) mesh
+and is not covered here. CollectiveLoader over a real ``StreamingDataset`` on MDS shards
 written here feeds it: the first stage passes ``input_ids`` to ``schedule.step``, the last stage
 passes ``labels`` as the target.
 
@@ -58,6 +60,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader
@@ -84,6 +87,7 @@ class Case:
     tp: int
     stages_per_rank: int
     schedules: tuple[str, ...]
+    fsdp: bool = False  # data parallel by FSDP2's fully_shard, else by a gradient all-reduce
 
     @property
     def world(self) -> int:
@@ -91,7 +95,7 @@ class Case:
 
 
 CASES = {
-    "pp2-dp2": Case(pp=2, dp=2, tp=1, stages_per_rank=1, schedules=("GPipe", "1F1B")),
+    "pp2-dp2": Case(pp=2, dp=2, tp=1, stages_per_rank=1, schedules=("GPipe", "1F1B"), fsdp=True),
     "pp2-dp2-tp2": Case(pp=2, dp=2, tp=2, stages_per_rank=1, schedules=("GPipe", "1F1B")),
     "pp4-interleaved": Case(pp=4, dp=1, tp=1, stages_per_rank=2, schedules=("Interleaved1F1B", "LoopedBFS")),
 }
@@ -249,6 +253,9 @@ def rank_main(a: Args) -> int:
         for part in parts:
             for block in part.blocks:
                 parallelize_module(block, dims.get_mesh("tp"), TP_PLAN)
+    if case.fsdp:
+        for part in parts:
+            fully_shard(part, mesh=dims.get_mesh("dp_shard"))
     pp_group = dims.get_mesh("pp").get_group()
     stages = [PipelineStage(part, pp_rank + i * case.pp, n_stages, torch.device("cpu"), group=pp_group)
               for i, part in enumerate(parts)]
@@ -260,6 +267,7 @@ def rank_main(a: Args) -> int:
     params = [p for part in parts for p in part.parameters()]
     optimizer = torch.optim.SGD(params, lr=a.lr)
     dp_group = dims.get_mesh("dp_shard").get_group() if case.dp > 1 else None
+    average_grads = dp_group is not None and not case.fsdp  # FSDP2 reduce-scatters the mean itself
     first, last = pp_rank == 0, pp_rank == case.pp - 1
     losses, ids = [], []
     stream = batches(a, mesh, case.tp)
@@ -278,7 +286,7 @@ def rank_main(a: Args) -> int:
         else:
             assert a.naive or batch == {}, sorted(batch)  # middle stages: our loader gives them nothing
             schedule.step()
-        if dp_group is not None:  # data parallel: average the gradients over the replicas
+        if average_grads:  # data parallel: average the gradients over the replicas
             for p in params:
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # the shard, in place
                 dist.all_reduce(grad, group=dp_group)
