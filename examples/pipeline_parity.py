@@ -205,14 +205,15 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 # --- one rank -------------------------------------------------------------------------------------
 
 
-def titan_dims(case: Case):
-    """TorchTitan's ParallelDims for ``case``, its mesh built on the CPU (see the module docstring)."""
+def titan_dims(pp: int, dp: int, tp: int):
+    """TorchTitan's ParallelDims with these degrees, its mesh built on the CPU (see the module
+    docstring); ``tests/test_titan.py`` uses it too."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
     import torchtitan.distributed.parallel_dims as parallel_dims
 
     parallel_dims.device_type = "cpu"
     dims = parallel_dims.ParallelDims(
-        dp_replicate=1, dp_shard=case.dp, cp=1, tp=case.tp, pp=case.pp, ep=1, world_size=case.world
+        dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=pp, ep=1, world_size=pp * dp * tp
     )
     dims.build_mesh()
     return dims
@@ -243,7 +244,7 @@ def batches(a: Args, mesh, tp: int):
 
 def rank_main(a: Args) -> int:
     case = CASES[a.case]
-    dims = titan_dims(case)
+    dims = titan_dims(case.pp, case.dp, case.tp)
     mesh = dims.get_optional_mesh(["pp", "batch", "cp", "tp"], include_singleton_axes=True)
     pp_rank, dp_rank, tp_rank = (mesh[d].get_local_rank() for d in ("pp", "batch", "tp"))
     n_stages = case.pp * case.stages_per_rank
