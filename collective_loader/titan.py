@@ -1,17 +1,19 @@
 """TorchTitan: a dataloader its trainer can use where it expects a ``BaseDataLoader``.
 
-TorchTitan's trainer iterates ``for input_dict, labels in dataloader`` on every rank and reads
-``labels`` on every rank, pipeline stages without a loss included (it counts tokens with
-``labels.numel()`` and the valid tokens of the global batch from them). So
-:class:`TitanDataLoader` sends the labels to every stage (``every_stage``; their bytes are a
-small share of a step's traffic: one int64 per token) and the inputs to the first stage only: a
-middle or last stage's ``input_dict`` is ``{}``.
+TorchTitan 0.3's trainer runs ``post_dataloading_process(input_dict, labels)`` on every rank,
+every pipeline stage included: it reads ``input_dict["input"]`` there, passes the other
+``input_dict`` keys (``positions``, ...) as forward kwargs to *every* stage, and counts tokens
+with ``labels.numel()``. So :class:`TitanDataLoader` delivers every key to every stage
+(``every_stage``). That costs the input and label bytes on stages that do not consume them,
+one int64 per token and key, small next to a stage's activations. Context parallelism is the
+trainer's job too (``prepare_context_parallel_input``), so sequences arrive whole on cp ranks.
 
 Its state is in TorchTitan's per-DP-rank form, ``{"dp_rank_<i>": ..., "world_size": dp_size}``.
-TorchTitan's checkpointer hands it to ``torch.distributed.checkpoint`` (DCP), which loads into
-the structure a fresh ``state_dict()`` returns, so the per-rank entry is one opaque leaf, as in
-TorchTitan: bytes written by ``torch.save`` and read back with ``torch.load(weights_only=True)``,
-which rebuilds tensors and plain containers only and executes nothing from the file.
+The entry is one opaque leaf, as in TorchTitan, because ``torch.distributed.checkpoint`` (DCP)
+loads into the structure that a fresh ``state_dict()`` returns. A nested entry there would be
+``{"source": None, ...}`` and would not match a saved ``{"source": {...}}``. The leaf is
+written with ``torch.save`` and read back with ``torch.load(weights_only=True)``, which rebuilds
+only tensors and plain containers.
 """
 
 from __future__ import annotations
@@ -24,21 +26,40 @@ import torch
 
 from collective_loader.loader import CollectiveLoader
 
+# options that would contradict what TorchTitan's trainer expects of its dataloader
+REFUSED = {
+    "seq_dims": "TorchTitan's trainer splits the sequence over cp itself (prepare_context_parallel_input)",
+    "every_stage": "every key already goes to every stage",
+}
+
+
+def split_labels(batch: Mapping[str, Any], labels: str = "labels") -> tuple[dict[str, Any], torch.Tensor]:
+    """TorchTitan's ``(input_dict, labels)`` from one delivered batch.
+
+    >>> split_labels({"input": torch.tensor([[5, 6]]), "labels": torch.tensor([[6, 7]])})
+    ({'input': tensor([[5, 6]])}, tensor([[6, 7]]))
+    """
+    input_dict = {key: value for key, value in batch.items() if key != labels}
+    return input_dict, batch[labels]
+
 
 class TitanDataLoader:
-    """Yields ``(input_dict, labels)`` on every rank of the mesh; Stateful for TorchTitan's checkpoints.
+    """Yields ``(input_dict, labels)`` on every rank of the mesh. It is ``Stateful``, so it can
+    go into TorchTitan's checkpoints.
 
     ``source`` yields mappings holding the ``inputs`` keys and ``labels``, e.g. TorchTitan's
-    ``{"input": tokens}`` plus ``"labels"``. ``options`` pass through to
-    :class:`~collective_loader.CollectiveLoader` (``seq_dims``, ``timeout``, ``roles``, ...).
+    ``{"input": tokens, "positions": ...}`` plus ``"labels"``. It is built on one leader per
+    data-parallel replica (pass a callable); partition it by the replica's
+    ``collective_loader.mesh_place(mesh, rank)``. ``options`` pass through to
+    :class:`~collective_loader.CollectiveLoader` (``timeout``, ``roles``, ``prefetch``, ...).
 
     Example (every rank; ``mesh`` from TorchTitan's ``ParallelDims``)::
 
         mesh = parallel_dims.get_optional_mesh(["pp", "batch", "cp", "tp"], include_singleton_axes=True)
         dataloader = TitanDataLoader(lambda: StatefulDataLoader(dataset, batch_size=8), mesh)
-        for input_dict, labels in dataloader:   # first stage: {"input": ...}; others: {}
+        for input_dict, labels in dataloader:   # every stage: {"input": ...}, labels
             ...
-        checkpoint = {"dataloader": dataloader}  # state_dict() / load_state_dict(), per DP rank
+        dcp.save({"dataloader": dataloader}, checkpoint_id=path)
     """
 
     def __init__(
@@ -50,15 +71,19 @@ class TitanDataLoader:
         labels: str = "labels",
         **options: Any,
     ) -> None:
-        self.loader = CollectiveLoader(source, mesh, inputs=tuple(inputs), labels=(), every_stage=(labels,), **options)
+        refused = sorted(set(options) & set(REFUSED))
+        if refused:
+            name = refused[0]
+            raise ValueError(f"TitanDataLoader takes no {name}=: {REFUSED[name]}; use CollectiveLoader for other routing")
         self.labels = labels
+        self.loader = CollectiveLoader(source, mesh, inputs=(), labels=(), every_stage=(*inputs, labels), **options)
+        # the names TorchTitan's ParallelAwareDataloader uses
         self.dp_rank, self.dp_world_size = self.loader.dp_rank, self.loader.dp_size
         self._rank_id = f"dp_rank_{self.dp_rank}"
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
         for batch in self.loader:
-            labels = batch.pop(self.labels)
-            yield batch, labels
+            yield split_labels(batch, self.labels)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"dp_rank_<i>": bytes, "world_size": dp_size}``; call on every rank after the same step."""
@@ -67,19 +92,25 @@ class TitanDataLoader:
         return {self._rank_id: buffer.getvalue(), "world_size": self.dp_world_size}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Resume at the next ``iter()``; call on every rank. An empty state starts afresh, as in
-        TorchTitan; a state without this DP rank's entry warns and starts afresh."""
+        """Resume at the next ``iter()``; call on every rank.
+
+        As in TorchTitan, an empty state starts afresh, and a state without this DP rank's entry
+        warns and starts afresh. Another DP degree raises ``ValueError`` on every rank (it is
+        checked first, so no rank goes on alone).
+        """
         if not state_dict:
             return
+        if state_dict.get("world_size") != self.dp_world_size:
+            raise ValueError(
+                f"the dataloader state was saved with world_size={state_dict.get('world_size')!r} data-parallel ranks "
+                f"and this run has {self.dp_world_size}; the per-DP-rank state cannot be re-partitioned: resume with "
+                "the same DP degree, or start the dataloader afresh"
+            )
         if self._rank_id not in state_dict:
             warnings.warn(f"dataloader state has no entry {self._rank_id!r}: starting from the beginning", stacklevel=2)
             return
-        if state_dict["world_size"] != self.dp_world_size:
-            raise ValueError(
-                f"the dataloader state was saved with {state_dict['world_size']} data-parallel ranks and this run "
-                f"has {self.dp_world_size}; TorchTitan's per-DP-rank state cannot be re-partitioned"
-            )
         self.loader.load_state_dict(torch.load(io.BytesIO(state_dict[self._rank_id]), weights_only=True))
 
     def close(self) -> None:
+        """Stop the loader's transfers; call on every rank before ``destroy_process_group()``."""
         self.loader.close()

@@ -1,7 +1,6 @@
-"""TorchTitan and torchdata: ``TitanDataLoader`` on a mesh built by TorchTitan's ``ParallelDims``,
-fed by torchdata's ``StatefulDataLoader`` (what TorchTitan uses), checkpointed through
-``torch.distributed.checkpoint`` as TorchTitan's checkpointer does, and resumed exactly; and a
-``StatefulDataLoader`` with worker processes as a plain CollectiveLoader source."""
+"""``TitanDataLoader`` on meshes built by TorchTitan's own ``ParallelDims``, fed by torchdata's
+``StatefulDataLoader`` (what TorchTitan uses), checkpointed through ``torch.distributed.checkpoint``
+as TorchTitan's checkpointer does, and resumed exactly."""
 
 from __future__ import annotations
 
@@ -17,18 +16,18 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from collective_loader import CollectiveLoader, mesh_place
+from collective_loader import mesh_place
 from collective_loader.titan import TitanDataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from pipeline_parity import titan_dims  # noqa: E402  TorchTitan's mesh on a CPU machine
+from pipeline_parity import titan_dims  # noqa: E402  TorchTitan's ParallelDims on a CPU machine
 
-SEQ, BATCH, SAMPLES = 8, 2, 48
-PP, DP, TP = 2, 2, 2
+SEQ, BATCH, SAMPLES, SEED, STOP = 8, 2, 24, 5, 2
+MESHES = {"pp2-dp2-tp2": (2, 2, 2), "pp4-dp2": (4, 2, 1)}  # (pp, dp, tp); pp4 has middle stages
 
 
 class Tokens(Dataset):
-    """Sample ``i``: ``input[s] = 1000 i + s`` and ``labels = input + 1``, so any rank's labels name the sample."""
+    """Sample ``i``: ``input[s] = 1000 i + s`` and ``labels = input + 1``, so labels name the sample."""
 
     def __len__(self) -> int:
         return SAMPLES
@@ -38,141 +37,98 @@ class Tokens(Dataset):
         return {"input": tokens, "labels": tokens + 1}
 
 
-def source(num_workers: int):
-    """The replica's StatefulDataLoader, built on leaders only (the loader calls it there)."""
-    place = mesh_place(_mesh(), dist.get_rank())
-    sampler = DistributedSampler(Tokens(), num_replicas=place.dp_size, rank=place.dp_rank, shuffle=True, seed=5)
-    # forkserver: forked workers of a process with gloo threads start slowly here (README, "DataLoader workers")
-    context = {"multiprocessing_context": "forkserver"} if num_workers else {}
-    return StatefulDataLoader(Tokens(), batch_size=BATCH, sampler=sampler, num_workers=num_workers, **context)
+def expected_ids(dp: int, dp_rank: int) -> list[list[int]]:
+    """The batches of sample ids replica ``dp_rank`` must see in one epoch."""
+    ids = list(DistributedSampler(Tokens(), num_replicas=dp, rank=dp_rank, shuffle=True, seed=SEED))
+    return [ids[i:i + BATCH] for i in range(0, len(ids), BATCH)]
 
 
 _MESHES: dict = {}
 
 
-def _mesh():
-    """One TorchTitan mesh per rank process (it builds its groups once)."""
-    if "mesh" not in _MESHES:
-        dims = titan_dims(PP, DP, TP)
-        _MESHES["mesh"] = dims.get_optional_mesh(["pp", "batch", "cp", "tp"], include_singleton_axes=True)
-    return _MESHES["mesh"]
+def titan_mesh(pp: int, dp: int, tp: int):
+    """TorchTitan's data-loading mesh on CPU, built once per rank process and degrees."""
+    if (pp, dp, tp) not in _MESHES:
+        dims = titan_dims(pp, dp, tp)
+        _MESHES[pp, dp, tp] = dims.get_optional_mesh(["pp", "batch", "cp", "tp"], include_singleton_axes=True)
+    return _MESHES[pp, dp, tp]
 
 
-def _titan(num_workers: int) -> TitanDataLoader:
-    return TitanDataLoader(lambda: source(num_workers), _mesh(), timeout=60)
+def titan_loader(mesh) -> TitanDataLoader:
+    place = mesh_place(mesh, dist.get_rank())
+    sampler = DistributedSampler(Tokens(), num_replicas=place.dp_size, rank=place.dp_rank, shuffle=True, seed=SEED)
+    return TitanDataLoader(lambda: StatefulDataLoader(Tokens(), batch_size=BATCH, sampler=sampler), mesh, timeout=60)
 
 
-def _steps(pairs, limit=None) -> list[dict]:
+def seen(pairs, limit: int | None = None) -> list[list[int]]:
+    """Sample ids per step, checking each (input_dict, labels) against the sample they name."""
     out = []
     for input_dict, labels in pairs:
         ids = (labels[:, 0] // 1000).tolist()
-        out.append({"ids": ids, "inputs_ok": all(torch.equal(v, labels - 1) for v in input_dict.values()),
-                    "keys": sorted(input_dict)})
-        if limit is not None and len(out) == limit:
+        tokens = 1000 * torch.tensor(ids)[:, None] + torch.arange(SEQ)
+        assert sorted(input_dict) == ["input"], sorted(input_dict)
+        assert torch.equal(labels, tokens + 1) and torch.equal(input_dict["input"], tokens), ids
+        out.append(ids)
+        if len(out) == limit:
             break
     return out
 
 
-def titan_epoch_and_states():
-    """An epoch of (input_dict, labels) on this rank, plus the adapter's Stateful behaviours."""
-    loader = _titan(0)
-    place = loader.loader.place
-    steps = _steps(loader)
-    state = loader.state_dict()
-    behaviours = {"stateful": isinstance(loader, Stateful), "keys": sorted(state),
-                  "world_size": state["world_size"], "entry_is_bytes": isinstance(state[f"dp_rank_{place.dp_rank}"], bytes)}
-    loader.load_state_dict({})  # TorchTitan: an empty state is valid
+def titan_run(degrees: tuple[int, int, int], checkpoint: str) -> dict:
+    """On this rank: an epoch, the Stateful behaviours, and a resume through DCP after STOP steps."""
+    mesh = titan_mesh(*degrees)
+    full_loader = titan_loader(mesh)
+    place = full_loader.loader.place
+    full = seen(full_loader)
+    state = full_loader.state_dict()
+    rec = {"stage": place.stage, "dp_rank": place.dp_rank, "full": full, "stateful": isinstance(full_loader, Stateful),
+           "state": {k: type(v).__name__ for k, v in state.items()}, "world_size": state["world_size"]}
+    full_loader.load_state_dict({})  # as in TorchTitan: an empty state is valid
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loader.load_state_dict({"dp_rank_9": b"", "world_size": DP})
-    behaviours["missing_warns"] = any("dp_rank_" in str(w.message) for w in caught)
+        full_loader.load_state_dict({"dp_rank_9": b"", "world_size": place.dp_size})
+    rec["missing"] = [str(w.message) for w in caught]
     try:
-        loader.load_state_dict({f"dp_rank_{place.dp_rank}": b"", "world_size": DP + 1})
-        behaviours["mismatch"] = "accepted"
+        full_loader.load_state_dict({**state, "world_size": place.dp_size + 1})
     except ValueError as e:
-        behaviours["mismatch"] = str(e)
-    loader.close()
-    return {"rank": dist.get_rank(), "stage": place.stage, "dp_rank": place.dp_rank, "steps": steps, **behaviours}
+        rec["mismatch"] = str(e)
+    full_loader.close()
 
-
-def titan_resume_through_dcp(num_workers: int, stop_after: int, checkpoint: str):
-    """Ids of an uninterrupted epoch, and of one checkpointed by DCP after ``stop_after`` steps,
-    with the loader and its StatefulDataLoader built anew and loaded from the checkpoint."""
-    full = _steps(_titan(num_workers))
-    first = _titan(num_workers)
-    head = _steps(first, limit=stop_after)
-    dcp.save({"dataloader": first}, checkpoint_id=checkpoint)
+    first = titan_loader(mesh)
+    head = seen(first, limit=STOP)
+    dcp.save({"dataloader": first}, checkpoint_id=checkpoint)  # as TorchTitan's checkpointer does
     first.close()
-    second = _titan(num_workers)
+    dataloader = titan_loader(mesh)
+    dcp.load({"dataloader": dataloader}, checkpoint_id=checkpoint)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        dcp.load({"dataloader": second}, checkpoint_id=checkpoint)
-        tail = _steps(second)
-    second.close()
-    return {"full": [s["ids"] for s in full], "head": [s["ids"] for s in head], "tail": [s["ids"] for s in tail],
-            "warnings": [str(w.message) for w in caught if "skipping" in str(w.message)]}
-
-
-def plain_resume(stop_after: int):
-    """CollectiveLoader straight over a StatefulDataLoader; the state through torch.save and
-    ``torch.load(weights_only=True)``."""
-    def build():
-        return CollectiveLoader(lambda: source(0), _mesh(), inputs=("input",), labels=("labels",), timeout=60)
-
-    def ids(batch):
-        key = "input" if "input" in batch else "labels"
-        return (batch[key][:, 0] // 1000).tolist()
-
-    full = [ids(b) for b in build()]
-    first = build()
-    it = iter(first)
-    head = [ids(next(it)) for _ in range(stop_after)]
-    state = first.state_dict()
-    first.close()
-    path = f"/tmp/cl_titan_state_{dist.get_rank()}.pt"
-    torch.save(state, path)
-    second = build()
-    second.load_state_dict(torch.load(path, weights_only=True))
-    os.remove(path)
-    tail = [ids(b) for b in second]
-    second.close()
-    return {"full": full, "head": head, "tail": tail}
+        tail = seen(dataloader)
+    dataloader.close()
+    return {**rec, "head": head, "tail": tail, "resume_warnings": [str(w.message) for w in caught]}
 
 
 @pytest.fixture(scope="module")
 def world(worlds):
-    return worlds.get(PP * DP * TP)
+    return worlds.get(8)
 
 
-def test_every_rank_gets_its_samples_and_labels_and_stateful_behaves(world):
-    records = world.run(titan_epoch_and_states, timeout=180)
-    steps = SAMPLES // DP // BATCH
-    by_dp: dict[int, list] = {}
-    for rec in records:
-        assert len(rec["steps"]) == steps, rec["rank"]
-        assert all(s["keys"] == (["input"] if rec["stage"] == "first" else []) for s in rec["steps"]), rec["rank"]
-        assert all(s["inputs_ok"] for s in rec["steps"]), rec["rank"]  # first stage: labels = input + 1
-        ids = [s["ids"] for s in rec["steps"]]
-        assert by_dp.setdefault(rec["dp_rank"], ids) == ids, f"rank {rec['rank']} saw other samples than its replica"
-        assert rec["stateful"] and rec["keys"] == sorted([f"dp_rank_{rec['dp_rank']}", "world_size"])
-        assert rec["world_size"] == DP and rec["entry_is_bytes"]
-        assert rec["missing_warns"]
-        assert "saved with 3 data-parallel ranks and this run has 2" in rec["mismatch"]
-    flat = sorted(i for ids in by_dp.values() for step in ids for i in step)
-    assert flat == list(range(SAMPLES))  # replicas disjoint, covering the dataset once
+@pytest.mark.parametrize("name", MESHES)
+def test_every_rank_gets_its_samples_and_resumes_through_dcp(world, tmp_path, name):
+    pp, dp, tp = MESHES[name]
+    records = world.run(titan_run, MESHES[name], str(tmp_path / "checkpoint"), timeout=180)
+    assert sorted({r["stage"] for r in records}) == sorted({"first", "last"} | ({"middle"} if pp > 2 else set()))
+    for rank, rec in enumerate(records):
+        want = expected_ids(dp, rec["dp_rank"])
+        assert rec["full"] == want, f"rank {rank} ({rec['stage']} stage)"
+        assert rec["stateful"] and rec["state"] == {f"dp_rank_{rec['dp_rank']}": "bytes", "world_size": "int"}
+        assert rec["world_size"] == dp
+        assert len(rec["missing"]) == 1 and "'dp_rank_" in rec["missing"][0]
+        assert f"world_size={dp + 1} data-parallel ranks and this run has {dp}" in rec["mismatch"]
+        assert rec["head"] == want[:STOP] and rec["tail"] == want[STOP:], f"rank {rank}: the resume must continue exactly"
+        assert not rec["resume_warnings"], rec["resume_warnings"]  # no "skipping batches": the source's state was used
+    assert sorted(i for d in range(dp) for step in expected_ids(dp, d) for i in step) == list(range(SAMPLES))
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_exact_resume_through_torch_distributed_checkpoint(world, tmp_path, num_workers):
-    k = 3
-    records = world.run(titan_resume_through_dcp, num_workers, k, str(tmp_path / "ckpt"), timeout=240)
-    for rec in records:
-        assert rec["head"] == rec["full"][:k]
-        assert rec["tail"] == rec["full"][k:], "the resumed run must continue exactly"
-        assert not rec["warnings"], rec["warnings"]  # the StatefulDataLoader's own state was used
-
-
-def test_stateful_dataloader_as_a_plain_source(world):
-    k = 4
-    for rec in world.run(plain_resume, k, timeout=240):
-        assert rec["head"] == rec["full"][:k] and rec["tail"] == rec["full"][k:]
+def test_options_that_contradict_the_trainer_are_refused():
+    with pytest.raises(ValueError, match="takes no seq_dims="):  # refused before the mesh is touched
+        TitanDataLoader([], None, seq_dims={"input": 1})
