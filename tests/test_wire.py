@@ -33,7 +33,9 @@ def raw(t: torch.Tensor) -> bytes:
     """The bytes of ``t``'s values in row-major order (0-dim and non-contiguous tensors included)."""
     if t.numel() == 0:
         return b""
-    flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    # a fresh 1-D tensor: contiguous() keeps odd strides on size-1 dims, which view() rejects
+    flat = torch.empty(t.numel(), dtype=t.dtype)
+    flat.copy_(t.detach().resolve_conj().resolve_neg().reshape(-1))
     return bytes(flat.view(torch.uint8).numpy())
 
 
