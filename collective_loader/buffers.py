@@ -30,7 +30,10 @@ def _in_use(buf: torch.Tensor) -> bool:
 
 
 class BufferPool:
-    """At most ``capacity`` CPU uint8 buffers, each reused once nothing else holds it.
+    """At most ``capacity`` host uint8 buffers, each reused once nothing else holds it.
+
+    ``pin``: allocate page-locked memory (on CUDA meshes, so copies to the GPU are asynchronous);
+    pinning is slow, which is one more reason to reuse.
 
     ``take(n)`` returns an ``n``-byte view of the smallest free buffer that fits; when none
     fits it allocates, keeping the new buffer in place of a free one that is too small (or of
@@ -39,10 +42,11 @@ class BufferPool:
     a pool.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, pin: bool = False) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self.pin = pin
         self._bufs: list[torch.Tensor] = []
         self.allocations = 0  # buffers allocated so far (a steady loop stops allocating)
 
@@ -52,7 +56,7 @@ class BufferPool:
         if fits:
             best = min(fits, key=lambda i: self._bufs[i].numel())
             return self._bufs[best][:nbytes]
-        new = torch.empty(nbytes, dtype=torch.uint8)
+        new = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         self.allocations += 1
         if len(self._bufs) < self.capacity:
             self._bufs.append(new)

@@ -269,18 +269,23 @@ class MeshLayout:
         return " ".join(f"{n}={s}({r})" for n, s, r in zip(self.dim_names, self.shape, self.roles))
 
 
-def group_count(dp: int, pp: int) -> int:
+def group_count(dp: int, pp: int, transport: str = "host", middle_data: bool = False) -> int:
     """Process groups one loader creates on a mesh with ``dp`` replicas and ``pp`` stages.
 
     One control group over the whole mesh, one group of the leaders when ``dp > 1``, and per
     replica one group of the whole replica (state at checkpoint time) and one per destination
-    (first stage, last stage, middle stages). The same on gloo and NCCL worlds.
+    (first stage, last stage, middle stages), all gloo. The ``"device"`` transport adds, per
+    replica, a group of the mesh device's backend for each destination that gets tensors (middle
+    stages only with ``middle_data``, i.e. ``every_stage`` keys).
 
     >>> group_count(dp=128, pp=16)
     514
+    >>> group_count(dp=128, pp=16, transport="device")
+    770
     """
-    per_replica = 2 + (pp > 1) + (pp > 2)
-    return 1 + (dp > 1) + dp * per_replica
+    destinations = 1 + (pp > 1) + (pp > 2)
+    data_groups = (1 + (pp > 1) + (pp > 2 and middle_data)) if transport == "device" else 0
+    return 1 + (dp > 1) + dp * (1 + destinations + data_groups)
 
 
 def mesh_place(mesh: Any, rank: int, roles: Mapping[str, str] | None = None) -> Place:

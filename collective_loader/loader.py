@@ -3,99 +3,42 @@
 Per step the leader takes one batch from its source, agrees with the other replicas' leaders on
 whether every replica has one (so all replicas stop at the same step), and sends one message
 (header, description and tensors in one buffer) per delivery group: first stage, last stage, and
-middle stages (a header-only message unless ``every_stage`` keys exist). While batch sizes repeat that is one collective per
-group (see :class:`~collective_loader.transport.Channel`). A watchdog on each leader reports a
-source that stalls. Every rank runs the transfer on a background thread that works at most ``prefetch`` steps
-ahead of what its training loop has consumed, so delivery overlaps compute, and no rank ever
-waits inside a collective for a peer that is not about to post the matching one.
+middle stages (a header-only message unless ``every_stage`` keys exist); see
+:mod:`collective_loader.protocol`. While batch sizes repeat that is one collective per group
+(see :class:`~collective_loader.transport.Channel`). A watchdog on each leader reports a source
+that stalls. Every rank runs the gloo part on a background thread that works at most
+``prefetch`` steps ahead of what its training loop has consumed, so delivery overlaps compute,
+and no rank ever waits inside a collective for a peer that is not about to post the matching
+one. No NCCL collective is ever issued off the training thread.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import math
-import queue
-import threading
-import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
 import torch
 import torch.distributed as dist
 
-from collective_loader import transport, wire
-from collective_loader.errors import BatchError, ConfigMismatchError, DeliveryError, LeaderError, WireError
+from collective_loader import protocol, wire
+from collective_loader.device import hand_over
+from collective_loader.errors import ConfigMismatchError, DeliveryError, LeaderError
 from collective_loader.layout import MeshLayout
+from collective_loader.prefetch import Prefetcher
 from collective_loader.routing import Routing
 from collective_loader.sharding import Layout
+from collective_loader.transport import Transport, agree, build_groups, gather_strings, mesh_device
+from collective_loader.watchdog import StallWatch
 from collective_loader.wire import Kind
 
 Delivery = Literal["broadcast", "scatter"]
 Batch = dict[str, Any]
-# a leader whose source has not returned a batch after this share of `timeout` reports itself
-# stalled (by 0.8 x timeout, see _StallWatch), so its peers, who wait at most `timeout` for it,
-# hear why before they give up
-STALL_AFTER = 0.75
 JOIN_WAIT = 5.0  # seconds to wait for a transfer thread that has delivered its last step
-
-
-@dataclass
-class _Item:
-    """What the transfer thread hands the training loop for one step."""
-
-    kind: Kind
-    batch: Batch = field(default_factory=dict)
-    error: BaseException | None = None
-    source_state: Any = None  # leader only: the source's state right after this batch
-
-
-class _StallWatch:
-    """A leader's watchdog: reports a source call that has not returned within ``after`` seconds.
-
-    The transfer thread marks each call into the source with :meth:`loading`; the watchdog
-    thread looks every ``after / 16`` seconds (nothing is signalled per step) and, once a call
-    has taken longer than ``after``, sets ``stalled`` and calls ``report(step)``. Both happen
-    under one lock, so either the call returned first or ``stalled`` is set: from then on the
-    transfer thread delivers nothing and the collectives are the watchdog's.
-    """
-
-    def __init__(self, after: float, report: Callable[[int], None], name: str) -> None:
-        self.after = after
-        self.stalled = False
-        self._report = report
-        self._lock = threading.Lock()
-        self._step: int | None = None  # the step being loaded, None between calls
-        self._since = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    @contextlib.contextmanager
-    def loading(self, step: int) -> Iterator[None]:
-        with self._lock:
-            self._step, self._since = step, time.monotonic()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._step = None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.after / 16):
-            with self._lock:
-                step = self._step
-                if step is None or time.monotonic() - self._since < self.after:
-                    continue
-                self.stalled = True
-            self._report(step)
-            return
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(JOIN_WAIT)
 
 
 class CollectiveLoader:
@@ -116,6 +59,13 @@ class CollectiveLoader:
             defaults (see :data:`collective_loader.layout.DEFAULT_ROLES`).
         delivery: ``"broadcast"`` (one collective, receivers slice their shard) or
             ``"scatter"`` (each rank receives only its bytes).
+        transport: ``"host"`` (default): everything moves over gloo groups on the transfer
+            thread, in (pinned) host memory; on a CUDA mesh each rank then copies its batch to
+            its GPU on a side stream. ``"device"``: tensor bytes move over groups of the mesh
+            device's backend (NCCL on a CUDA mesh, gloo on a CPU mesh), posted by the training
+            thread inside ``next()``; for payloads that need NVLink/InfiniBand bandwidth. Every
+            rank must then call ``next()`` once per step, and no other thread may issue NCCL
+            collectives meanwhile (see the README's "GPUs").
         prefetch: steps the transfer runs ahead of the training loop; default
             ``max(2, pipeline stages)``.
         timeout: seconds any rank waits in one collective before raising :class:`DeliveryError`.
@@ -144,6 +94,7 @@ class CollectiveLoader:
         layout: Layout = "zigzag",
         roles: Mapping[str, str] | None = None,
         delivery: Delivery = "broadcast",
+        transport: Transport = "host",
         prefetch: int | None = None,
         timeout: float = 600.0,
         max_batch_bytes: int = 1 << 32,
@@ -152,6 +103,8 @@ class CollectiveLoader:
             raise RuntimeError("CollectiveLoader needs torch.distributed initialized (init_process_group) first")
         if delivery not in ("broadcast", "scatter"):
             raise ValueError(f"delivery must be 'broadcast' or 'scatter', got {delivery!r}")
+        if transport not in ("host", "device"):
+            raise ValueError(f"transport must be 'host' or 'device', got {transport!r}")
         self.mesh_layout = MeshLayout.from_mesh(mesh, roles)
         world = dist.get_world_size()
         if sorted(self.mesh_layout.ranks) != list(range(world)):
@@ -163,17 +116,20 @@ class CollectiveLoader:
         )
         self.routing = Routing(tuple(inputs), tuple(labels), dict(seq_dims or {}), layout, shard_dims, tuple(every_stage))
         self.delivery = delivery
+        self.transport = transport
+        self.device = mesh_device(mesh.device_type)  # where batches land
         self.prefetch = max(2, self.place.pp_size) if prefetch is None else int(prefetch)
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         self.timeout = float(timeout)
         self.max_batch_bytes = int(max_batch_bytes)
-        # a buffer per step in flight (the queue, the loop's batch, the one being filled) per
-        # distinct scatter part; a loop that keeps batches makes the pool allocate, never overwrite
+        # a buffer per step in flight (the queue, the loop's batch, the one being filled, one
+        # posted or copied to the GPU) per distinct scatter part; a loop that keeps batches makes
+        # the pool allocate, never overwrite
         parts = math.prod(size for _, size in shard_dims) if delivery == "scatter" else 1
-        self._groups = transport.build_groups(
-            self.mesh_layout, self.place, self.timeout, delivery == "scatter", (self.prefetch + 2) * parts,
-            middle_data=bool(self.routing.every_stage),
+        self._groups = build_groups(
+            self.mesh_layout, self.place, self.device, transport, self.timeout, delivery == "scatter",
+            (self.prefetch + 3) * parts, middle_data=bool(self.routing.every_stage),
         )
         self._check_same_config()
         self._source = self._build_source(source)
@@ -216,12 +172,12 @@ class CollectiveLoader:
         return (
             f"mesh=[{self.mesh_layout.describe()}] ranks={list(self.mesh_layout.ranks)} inputs={list(r.inputs)} "
             f"labels={list(r.labels)} every_stage={list(r.every_stage)} seq_dims={dict(sorted(r.seq_dims.items()))} layout={r.layout} "
-            f"delivery={self.delivery} prefetch={self.prefetch} timeout={self.timeout} "
+            f"delivery={self.delivery} transport={self.transport} prefetch={self.prefetch} timeout={self.timeout} "
             f"max_batch_bytes={self.max_batch_bytes}"
         )
 
     def _check_same_config(self) -> None:
-        configs = transport.gather_strings(self._groups.control, self._config())
+        configs = gather_strings(self._groups.control, self._config())
         differ = [rank for rank, c in enumerate(configs) if c != configs[0]]
         if differ:
             first = differ[0]
@@ -246,7 +202,7 @@ class CollectiveLoader:
             except Exception as e:  # reported on every rank below
                 kind, message = Kind.SOURCE_ERROR, f"{type(e).__name__}: {e}"
                 cause = e
-        kind, message, origin = transport.agree(self._groups.control, kind, message)
+        kind, message, origin = agree(self._groups.control, kind, message)
         if kind == Kind.SOURCE_ERROR:
             error = LeaderError(f"leader rank {origin} could not build its source: {message}")
             if origin == self.place.rank:
@@ -366,204 +322,116 @@ def _close_live_loaders() -> None:
 
 
 class _Epoch(Iterator[Batch]):
-    """One pass over the source: a transfer thread plus the credits that bound its lead."""
+    """One pass over the source: the transfer thread's protocol steps, handed over one per ``next()``.
+
+    The transfer thread (a :class:`~collective_loader.prefetch.Prefetcher`) runs the protocol's
+    gloo part ahead of the loop. ``next()`` then, on the training thread: with the device
+    transport, posts the next step's tensor collectives before it waits for this step's (so they
+    overlap the step's compute, and are issued in program order); on a CUDA mesh, makes the
+    current stream wait for the batch's copy to the GPU.
+    """
 
     def __init__(self, loader: CollectiveLoader, resume: Mapping[str, Any] | None) -> None:
         self.loader = loader
         self._resume = resume
         self.steps = resume["steps"] if resume is not None else 0  # consumed, resumed ones included
         self.source_state = resume["source"] if resume is not None else None
-        self._queue: queue.Queue[_Item] = queue.Queue()
-        self._cond = threading.Condition()
-        self._granted = loader.prefetch  # steps the thread may run; +1 per consumed batch
-        self._done = 0  # steps the thread has run
-        self._closing = False
+        self._source_iter: Iterator[Mapping[str, Any]] | None = None
         self._finished = False
-        self._device = loader._groups.device
+        self._posted: protocol.Posted | None = None  # device transport: the next step, on its way
+        self._copies: collections.deque = collections.deque()  # (event, host tensors) of copies in flight
         place = loader.place
-        self._watch = (
-            _StallWatch(STALL_AFTER * loader.timeout, self._stalled, f"collective_loader-r{place.rank}-watch")
-            if place.is_leader else None
+        stream = torch.cuda.Stream(loader.device) if loader.device.type == "cuda" else None
+        name = f"collective_loader-r{place.rank}"
+        if place.is_leader:
+            self._watch: StallWatch | None = StallWatch(
+                protocol.STALL_AFTER * loader.timeout, lambda step: self._prefetch.interrupt(self._step.stalled(step)),
+                f"{name}-watch",
+            )
+            self._step: protocol.LeaderStep | protocol.MemberStep = protocol.LeaderStep(
+                loader, stream, self._load, self._source_state, self._watch
+            )
+        else:
+            self._watch = None
+            self._step = protocol.MemberStep(loader, stream)
+        # an exception in a step ends the epoch: it is raised in the training loop
+        self._prefetch: Prefetcher[protocol.Item] = Prefetcher(
+            self._step.step, loader.prefetch, is_last=lambda item: item.kind != Kind.DATA,
+            on_error=lambda e: protocol.Item(Kind.SOURCE_ERROR, -1, error=e), name=name,
         )
-        target = self._lead if place.is_leader else self._receive
-        self._thread = threading.Thread(target=self._run, args=(target,), name=f"collective_loader-r{place.rank}", daemon=True)
-        self._thread.start()
 
     # --- training-loop side ----------------------------------------------------------------
 
     def __next__(self) -> Batch:
         if self._finished:
             raise StopIteration
-        item = self._queue.get()
-        if item.kind == Kind.DATA:
-            self.steps += 1
-            self.source_state = item.source_state
-            with self._cond:
-                self._granted += 1
-                self._cond.notify()
-            if self._device.type == "cuda":
-                _record_stream(item.batch, torch.cuda.current_stream())
-            return item.batch
+        try:
+            item = self._next_item()
+        except DeliveryError:
+            self._finish()
+            raise
+        if item.kind != Kind.DATA:
+            self._finish()
+            if item.kind == Kind.END:
+                raise StopIteration
+            assert item.error is not None
+            raise item.error
+        self.steps += 1
+        self.source_state = item.source_state
+        while self._copies and self._copies[0][0].query():
+            self._copies.popleft()  # their copies are done: the host buffers may be reused
+        if item.event is not None:
+            self._copies.append((item.event, item.host))
+        return hand_over(item.batch, item.event)
+
+    def _next_item(self) -> protocol.Item:
+        if self.loader.transport == "host":
+            return self._prefetch.take()
+        posted = self._posted or protocol.post(self.loader, self._prefetch.take())
+        self._posted = None
+        if posted.item.kind == Kind.DATA:
+            # every rank posts step k+1 in its k-th next(), so the order is the same everywhere
+            self._posted = protocol.post(self.loader, self._prefetch.take())
+        return protocol.complete(self.loader, posted)
+
+    def _finish(self) -> None:
         self._finished = True
-        self._thread.join(JOIN_WAIT)  # a thread stuck in a stalled source is left behind
-        if item.kind == Kind.END:
-            raise StopIteration
-        assert item.error is not None
-        raise item.error
+        self._prefetch.close(JOIN_WAIT)  # a thread stuck in a stalled source is left behind
+        self._close_watch()
 
     def close(self) -> None:
         """Run the steps already granted (peers run them too), then stop the thread."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        self._thread.join(JOIN_WAIT if self._finished else self.loader.timeout + JOIN_WAIT)
+        if self._posted is not None:  # posted by every rank alike: let it finish
+            with contextlib.suppress(RuntimeError):
+                protocol.complete(self.loader, self._posted)
+            self._posted = None
+        self._prefetch.close(JOIN_WAIT if self._finished else self.loader.timeout + JOIN_WAIT)
         self._finished = True
+        self._close_watch()
         # an epoch left early: stop the source's iterator now (DataLoader workers exit with it);
         # a thread still inside the source after the wait keeps it
-        close_iter = getattr(getattr(self, "_source_iter", None), "close", None)
+        close_iter = getattr(self._source_iter, "close", None)
         if callable(close_iter) and not self.in_source():
             close_iter()
 
+    def _close_watch(self) -> None:
+        if self._watch is not None and not self._prefetch.alive():
+            self._watch.close()
+
     def in_source(self) -> bool:
         """Whether the transfer thread is still running (after :meth:`close`: stuck in the source)."""
-        return self._thread.is_alive()
+        return self._prefetch.alive()
 
-    # --- transfer thread -------------------------------------------------------------------
+    # --- the leader's source -------------------------------------------------------------
 
-    def _run(self, step_fn: Callable[[int], Kind]) -> None:
-        stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            step = 0
-            try:
-                while True:
-                    with self._cond:
-                        while self._done >= self._granted and not self._closing:
-                            self._cond.wait()
-                        if self._done >= self._granted:
-                            return
-                    kind = step_fn(step)
-                    if stream is not None:
-                        stream.synchronize()  # the batch is complete before the loop sees it
-                    self._done += 1
-                    step += 1
-                    if kind != Kind.DATA:
-                        return
-            except BaseException as e:  # handed to the training loop, raised there
-                self._queue.put(_Item(Kind.SOURCE_ERROR, error=e))
-            finally:
-                if self._watch is not None:
-                    self._watch.close()
+    def _load(self, step: int) -> Mapping[str, Any]:
+        if self._source_iter is None:
+            self._source_iter = self._start_source()
+        return next(self._source_iter)
 
-    def _lead(self, step: int) -> Kind:
-        loader, groups = self.loader, self.loader._groups
-        kind, message, cause, parts, source_state = Kind.DATA, "", None, {}, None
-        try:
-            if step == 0:
-                self._source_iter = self._start_source()
-            with self._watch.loading(step):
-                batch = next(self._source_iter)
-            source_state = loader._source.state_dict() if hasattr(loader._source, "state_dict") else None
-            loader.routing.check(batch)
-            parts = {name: self._pack(ch, step, batch) for name, ch in groups.channels.items() if ch.carries_data}
-        except StopIteration:
-            kind = Kind.END
-        except BatchError as e:
-            kind, message, cause = Kind.BATCH_ERROR, str(e), e
-        except Exception as e:
-            kind, message, cause = Kind.SOURCE_ERROR, f"{type(e).__name__}: {e}", e
-        if self._watch.stalled:  # the watchdog has told everyone; the collectives are its now
-            return Kind.SOURCE_ERROR
-        with self._collectives(f"gave up delivering step {step} to its replica"):
-            return self._deliver(step, kind, message, cause, parts, source_state)
-
-    def _stalled(self, step: int) -> None:
-        """Watchdog: the source is still loading ``step``; say so on every rank."""
-        message = (
-            f"still loading step {step} after {self._watch.after:.0f}s: the source has not returned a batch "
-            f"(timeout={self.loader.timeout}s; a leader reports a stall after {STALL_AFTER:.0%} of it)"
-        )
-        try:
-            with self._collectives(f"gave up reporting a stalled source at step {step}"):
-                self._deliver(step, Kind.SOURCE_ERROR, message, None, {}, None)
-        except DeliveryError as e:
-            self._queue.put(_Item(Kind.SOURCE_ERROR, error=e))
-
-    def _deliver(
-        self, step: int, kind: Kind, message: str, cause: BaseException | None, parts: dict, source_state: Any
-    ) -> Kind:
-        """Leader: agree on the step's outcome with the other leaders, then send it."""
-        loader, place, groups = self.loader, self.loader.place, self.loader._groups
-        origin = place.rank
-        if groups.leaders is not None:
-            try:
-                kind, message, origin = transport.agree(groups.leaders, kind, message)
-            except RuntimeError as e:
-                text = self._failure(f"lost contact with the other leaders before step {step}", e)
-                self._warn_replica(step, text, sent=())
-                raise DeliveryError(text) from e
-        if kind == Kind.DATA:
-            sent: list[str] = []
-            for name, channel in groups.channels.items():
-                try:
-                    self._send(channel, step, parts.get(name))
-                except RuntimeError as e:
-                    text = self._failure(f"could not deliver step {step} to the {name} stage (ranks {list(channel.ranks)})", e)
-                    self._warn_leaders(text)
-                    self._warn_replica(step, text, sent, failed=name)
-                    raise DeliveryError(text) from e
-                sent.append(name)
-            self._queue.put(_Item(Kind.DATA, parts["first"][2], source_state=source_state))
-            return kind
-        if kind != Kind.END:
-            dp = loader.mesh_layout.leaders().index(origin)
-            # a delivery failure's message already names its leader and step
-            text = message if kind == Kind.DELIVERY_ERROR else f"leader rank {origin} (dp_rank {dp}) failed at step {step}: {message}"
-            for channel in groups.channels.values():
-                channel.send_plan(kind, step, wire.plan({"message": text}))
-            error = _error(kind, text)
-            if origin == place.rank and cause is not None:
-                error.__cause__ = cause
-            self._queue.put(_Item(kind, error=error))
-            return kind
-        for channel in groups.channels.values():
-            channel.send_plan(Kind.END, step)
-        self._queue.put(_Item(Kind.END))
-        return kind
-
-    def _failure(self, what: str, error: BaseException) -> str:
-        place = self.loader.place
-        return f"leader rank {place.rank} (dp_rank {place.dp_rank}) {what} (timeout={self.loader.timeout}s): {error}"
-
-    def _warn_leaders(self, text: str) -> None:
-        """Best effort: the other leaders learn of this leader's failure at their next agreement
-        and pass it on to their replicas, instead of waiting for a timeout."""
-        leaders = self.loader._groups.leaders
-        if leaders is not None:
-            with contextlib.suppress(RuntimeError):
-                transport.agree(leaders, Kind.DELIVERY_ERROR, text)
-
-    def _warn_replica(self, step: int, text: str, sent: Iterable[str], failed: str | None = None) -> None:
-        """Best effort: tell this replica's channels whose state is sound (not ``failed``) about a
-        delivery failure, as the message of ``step`` (of the next step where it was already sent)."""
-        sent = set(sent)
-        for name, channel in self.loader._groups.channels.items():
-            if name != failed:
-                with contextlib.suppress(RuntimeError):
-                    channel.send_plan(Kind.DELIVERY_ERROR, step + (name in sent), wire.plan({"message": text}))
-
-    @contextlib.contextmanager
-    def _collectives(self, what: str) -> Iterator[None]:
-        """Turn a failed or timed-out collective into a DeliveryError saying who waited for what."""
-        try:
-            yield
-        except (WireError, DeliveryError):
-            raise
-        except RuntimeError as e:
-            place = self.loader.place
-            raise DeliveryError(
-                f"rank {place.rank} ({place.stage} stage, dp_rank {place.dp_rank}) {what} "
-                f"(timeout={self.loader.timeout}s): {e}"
-            ) from e
+    def _source_state(self) -> Any:
+        source = self.loader._source
+        return source.state_dict() if hasattr(source, "state_dict") else None
 
     def _start_source(self) -> Iterator[Mapping[str, Any]]:
         """``iter(source)``, resumed where a loaded state says."""
@@ -581,81 +449,3 @@ class _Epoch(Iterator[Batch]):
             for _ in range(resume["steps"]):
                 next(it)
         return it
-
-    def _pack(self, channel: transport.Channel, step: int, batch: Mapping[str, Any]) -> tuple[Any, int, Batch]:
-        """``(message or per-rank messages, message size, leader's own batch)`` for one channel."""
-        loader = self.loader
-        routing, layout = loader.routing, loader.mesh_layout
-        stage = "both" if loader.place.pp_size == 1 else channel.name
-        selected = routing.select(batch, stage)
-        if loader.delivery == "broadcast":
-            message, nbytes, meta_nbytes = self._message(channel, step, selected)
-            own = routing.piece(wire.unpack(message[wire.HEADER_BYTES : nbytes], meta_nbytes), loader.place.shard)
-            return message, nbytes, own
-        by_levels: dict[tuple, tuple[torch.Tensor, int, int]] = {}
-        for rank in channel.ranks:
-            levels = layout.place(rank).shard
-            if levels not in by_levels:
-                by_levels[levels] = self._message(channel, step, routing.piece(selected, levels))
-        sizes = {(n, m) for _, n, m in by_levels.values()}
-        assert len(sizes) == 1, sizes  # equal shapes per shard, so equal sizes
-        nbytes, meta_nbytes = sizes.pop()
-        messages = [by_levels[layout.place(r).shard][0] for r in channel.ranks]
-        own = by_levels[loader.place.shard][0]
-        return messages, nbytes, wire.unpack(own[wire.HEADER_BYTES : nbytes], meta_nbytes)
-
-    def _message(self, channel: transport.Channel, step: int, batch: Mapping[str, Any]) -> tuple[torch.Tensor, int, int]:
-        """``(message, its size, meta size)`` of one step's data for ``channel``."""
-        plan = wire.plan(batch)
-        if plan.nbytes > self.loader.max_batch_bytes:
-            raise BatchError(
-                f"a {channel.name}-stage payload is {plan.nbytes} bytes; max_batch_bytes is {self.loader.max_batch_bytes}"
-            )
-        message, nbytes = channel.message(Kind.DATA, step, plan)
-        return message, nbytes, len(plan.meta)
-
-    def _send(self, channel: transport.Channel, step: int, packed: Any) -> None:
-        if not channel.carries_data:
-            channel.send_plan(Kind.DATA, step)
-            return
-        message, nbytes, _ = packed
-        channel.send(message, nbytes)
-
-    def _receive(self, step: int) -> Kind:
-        loader = self.loader
-        channel = next(iter(loader._groups.channels.values()))
-        with self._collectives(f"waited for leader rank {channel.leader} to deliver step {step} and gave up"):
-            header, payload = channel.recv(loader.max_batch_bytes)
-        if header.step != step:
-            raise WireError(f"expected step {step} from leader rank {channel.leader}, got step {header.step}")
-        if header.kind == Kind.END:
-            self._queue.put(_Item(Kind.END))
-            return Kind.END
-        if not channel.carries_data and header.kind == Kind.DATA:
-            self._queue.put(_Item(Kind.DATA, {}))
-            return Kind.DATA
-        if header.kind == Kind.DATA:
-            batch = wire.unpack(payload, header.meta_nbytes)
-            if not channel.scattered:
-                batch = loader.routing.piece(batch, loader.place.shard)
-            self._queue.put(_Item(Kind.DATA, batch))
-            return Kind.DATA
-        text = wire.unpack(payload.cpu(), header.meta_nbytes).get("message")
-        if not isinstance(text, str):
-            raise WireError("error message from the leader does not decode")
-        self._queue.put(_Item(header.kind, error=_error(header.kind, text)))
-        return header.kind
-
-
-def _error(kind: Kind, text: str) -> BaseException:
-    return {Kind.BATCH_ERROR: BatchError, Kind.DELIVERY_ERROR: DeliveryError}.get(kind, LeaderError)(text)
-
-
-def _record_stream(value: Any, stream: "torch.cuda.Stream") -> None:
-    """Tell the caching allocator the training loop's stream uses tensors made on the side stream."""
-    if isinstance(value, torch.Tensor):
-        if value.is_cuda:
-            value.record_stream(stream)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _record_stream(v, stream)

@@ -101,6 +101,11 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def data_start(meta_nbytes: int) -> int:
+    """Where a payload's tensor bytes start: after its description of ``meta_nbytes``, aligned."""
+    return _align(meta_nbytes)
+
+
 # --- encoding ---------------------------------------------------------------------------------
 
 
@@ -221,8 +226,13 @@ def pack(batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
 # --- decoding ---------------------------------------------------------------------------------
 
 
-def unpack(payload: torch.Tensor, meta_nbytes: int) -> dict[str, Any]:
-    """Decode a payload; tensors are views into ``payload``. Raises :class:`WireError`."""
+def unpack(payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> dict[str, Any]:
+    """Decode a payload; tensors are views into ``payload``. Raises :class:`WireError`.
+
+    ``meta``: the description (uint8, host), when it travelled apart from the tensor bytes
+    (the device transport); ``payload``'s first ``meta_nbytes`` bytes are then not read, so a
+    GPU payload is decoded without a copy to the host.
+    """
     if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
         raise WireError(f"payload must be a contiguous 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}")
     if payload.storage_offset() % ALIGN:
@@ -230,8 +240,11 @@ def unpack(payload: torch.Tensor, meta_nbytes: int) -> dict[str, Any]:
     size = payload.numel()
     if not 0 <= meta_nbytes <= min(size, MAX_META_BYTES):
         raise WireError(f"meta size {meta_nbytes} does not fit a payload of {size} bytes")
+    if meta is not None and meta.numel() < meta_nbytes:
+        raise WireError(f"description of {meta.numel()} bytes is shorter than the {meta_nbytes} announced")
     try:
-        tree = json.loads(bytes(payload[:meta_nbytes].cpu().numpy()).decode())
+        described = payload[:meta_nbytes] if meta is None else meta[:meta_nbytes]
+        tree = json.loads(bytes(described.cpu().numpy()).decode())
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise WireError(f"batch description does not decode: {e}") from None
     data_start = _align(meta_nbytes)

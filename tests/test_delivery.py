@@ -36,60 +36,68 @@ MESHES_24 = [
 ]
 
 
-def _run(worlds, dims, shape, layout, delivery, **kw):
+@pytest.fixture(params=["host", "device"])
+def transport(request):
+    """Every case runs with both transports: the device one (collectives from the training
+    thread, over groups of the mesh device's backend) is gloo here, NCCL on a CUDA mesh."""
+    return request.param
+
+
+def _run(worlds, transport, dims, shape, layout, delivery, **kw):
     world = worlds.get(math.prod(shape))
     n_samples, batch_size = 24, 2
     records = world.run(
         ranks.deliver, dims, shape, n_samples=n_samples, batch_size=batch_size, seq_len=SEQ,
-        layout=layout, delivery=delivery, timeout=120, **kw,
+        layout=layout, delivery=delivery, transport=transport, timeout=120, **kw,
     )
     verify(records, n_samples=n_samples, batch_size=batch_size, seq_len=SEQ, layout=layout, epochs=kw.get("epochs", 1),
            every_stage=kw.get("every_stage", ()))
     mesh = MeshLayout.build(dims, shape, range(math.prod(shape)), kw.get("roles"))
-    assert {r["group_count"] for r in records} == {group_count(mesh.dp_size, mesh.pp_size)}
+    want = group_count(mesh.dp_size, mesh.pp_size, transport, middle_data=bool(kw.get("every_stage")))
+    assert {r["group_count"] for r in records} == {want}
     return records
 
 
-def test_single_rank(worlds):
-    _run(worlds, ("pp", "dp", "tp"), (1, 1, 1), "zigzag", "broadcast")
+def test_single_rank(worlds, transport):
+    _run(worlds, transport, ("pp", "dp", "tp"), (1, 1, 1), "zigzag", "broadcast")
 
 
-def test_epochs_restart_and_roles_override(worlds):
+def test_epochs_restart_and_roles_override(worlds, transport):
     """Two epochs in a row; Megatron-style sp as a replicate dim (roles=)."""
     records = _run(
-        worlds, ("pp", "dp", "sp"), (2, 2, 2), "zigzag", "broadcast", epochs=2, roles={"sp": "replicate"}
+        worlds, transport, ("pp", "dp", "sp"), (2, 2, 2), "zigzag", "broadcast", epochs=2, roles={"sp": "replicate"}
     )
     assert all(rec["shard"] == () for rec in records)
 
 
 @pytest.mark.parametrize("dims,shape", MESHES_8, ids=lambda x: ",".join(map(str, x)))
-def test_mesh_8(worlds, dims, shape):
-    _run(worlds, dims, shape, "zigzag", "broadcast")
+def test_mesh_8(worlds, transport, dims, shape):
+    _run(worlds, transport, dims, shape, "zigzag", "broadcast")
 
 
 @pytest.mark.parametrize("delivery", ["broadcast", "scatter"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("dims,shape", [MESHES_8[1], MESHES_8[5]], ids=["torchtitan", "cp-x-sp"])
-def test_layouts_and_delivery_modes_8(worlds, dims, shape, layout, delivery):
-    _run(worlds, dims, shape, layout, delivery)
+def test_layouts_and_delivery_modes_8(worlds, transport, dims, shape, layout, delivery):
+    _run(worlds, transport, dims, shape, layout, delivery)
 
 
 @pytest.mark.parametrize("delivery", ["broadcast", "scatter"])
 @pytest.mark.parametrize("dims,shape", MESHES_12, ids=lambda x: ",".join(map(str, x)))
-def test_mesh_12(worlds, dims, shape, delivery):
-    _run(worlds, dims, shape, "zigzag", delivery)
+def test_mesh_12(worlds, transport, dims, shape, delivery):
+    _run(worlds, transport, dims, shape, "zigzag", delivery)
 
 
 @pytest.mark.parametrize("delivery", ["broadcast", "scatter"])
 @pytest.mark.parametrize("dims,shape", MESHES_24, ids=lambda x: ",".join(map(str, x)))
-def test_mesh_24(worlds, dims, shape, delivery):
-    _run(worlds, dims, shape, "zigzag", delivery)
+def test_mesh_24(worlds, transport, dims, shape, delivery):
+    _run(worlds, transport, dims, shape, "zigzag", delivery)
 
 
 @pytest.mark.parametrize("delivery", ["broadcast", "scatter"])
-def test_every_stage_keys_reach_middle_stages_12(worlds, delivery):
+def test_every_stage_keys_reach_middle_stages_12(worlds, transport, delivery):
     """Packed-sequence offsets go to all three stages; middle stages get exactly that key."""
-    records = _run(worlds, ("pp", "dp", "cp"), (3, 2, 2), "zigzag", delivery, every_stage=("cu_seqlens",))
+    records = _run(worlds, transport, ("pp", "dp", "cp"), (3, 2, 2), "zigzag", delivery, every_stage=("cu_seqlens",))
     middle = [r for r in records if r["stage"] == "middle"]
     assert len(middle) == 4
     assert all(set(b) == {"cu_seqlens"} for r in middle for b in r["epochs"][0])
