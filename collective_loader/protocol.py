@@ -298,6 +298,9 @@ def post(loader: "CollectiveLoader", item: Item) -> Posted:
     the loader's channels, so they are issued in the same order everywhere.
     """
     posted = Posted(item)
+    if item.event is not None and item.sends:
+        # the leader's tensor bytes are still being copied to the GPU: the collective waits for that
+        torch.cuda.current_stream().wait_event(item.event)
     try:
         for channel, data in item.sends:
             posted.works.append((channel, channel.post_data(data)))
