@@ -9,7 +9,8 @@ rounds. A step's time is the slowest rank's time between two consecutive batches
 ``SKIP`` steps of every epoch are warm-up and left out. Sources yield one pre-built batch, so no
 loading cost is measured.
 
-* Delivery vs the limit: CollectiveLoader with ``prefetch=1`` and with the default, against one
+* Delivery vs the limit: CollectiveLoader with ``prefetch=1``, with the default, and with
+  ``transport="device"`` (tensor bytes posted by the training thread; gloo here), against one
   raw ``dist.broadcast`` of the batch's bytes over a group of the same ranks (mesh dp=1, tp=4:
   one leader, three receivers), and against a raw header broadcast followed by that one (the earlier protocol's floor), for
   1 tensor and for 6 tensors of mixed dtypes.
@@ -63,9 +64,12 @@ LAYOUT_MESHES = (  # (pp, dp, cp, tp)
     (1, 1, 1, 8), (3, 2, 2, 2), (1, 8, 1, 8), (2, 4, 1, 8), (4, 8, 2, 4), (8, 32, 2, 4), (16, 64, 2, 4),
     (16, 128, 2, 4),
 )
-LOADERS = {"loader_p1": 1, "loader_default": None}  # variant -> prefetch
+LOADERS = {  # variant -> CollectiveLoader options
+    "loader_p1": {"prefetch": 1}, "loader_default": {}, "loader_device": {"transport": "device"},
+}
 LABELS = {
-    "loader_p1": "loader, prefetch=1", "loader_default": "loader, default prefetch", "raw": "raw broadcast",
+    "loader_p1": "loader, prefetch=1", "loader_default": "loader, default prefetch",
+    "loader_device": "loader, transport=device", "raw": "raw broadcast",
     "raw_pair": "raw header + payload", "per_tensor": "per-tensor pattern",
 }
 
@@ -302,8 +306,8 @@ def delivery_case(s: Settings, mesh: Any, group: dist.ProcessGroup, nbytes: int,
     batch = make_batch(nbytes, n_tensors)
     sources = {name: Repeat(batch) for name in LOADERS}
     loaders = {
-        name: CollectiveLoader(sources[name], mesh, inputs=tuple(batch), labels=(), prefetch=p, timeout=TIMEOUT)
-        for name, p in LOADERS.items()
+        name: CollectiveLoader(sources[name], mesh, inputs=tuple(batch), labels=(), timeout=TIMEOUT, **options)
+        for name, options in LOADERS.items()
     }
     stats = {name: gather(stats_per_step(loaders[name], sources[name])) for name in LOADERS}
     epochs = {name: loader_epochs(loaders[name], sources[name]) for name in LOADERS}
@@ -365,11 +369,10 @@ def scale_main(s: Settings) -> int:
     source = Repeat({"input_ids": ids, "labels": ids.roll(-1, 1)})
     record: dict[str, Any] = {"kind": "scale", "world": world, "shape": SCALE_MESHES[world], "steps": s.max_steps}
 
-    def run(prefetch: int | None) -> dict[str, Any]:
+    def run(options: dict[str, Any]) -> dict[str, Any]:
         dist.barrier()
         start = time.perf_counter()
-        loader = CollectiveLoader(source, mesh, inputs=("input_ids",), labels=("labels",), prefetch=prefetch,
-                                  timeout=TIMEOUT)
+        loader = CollectiveLoader(source, mesh, inputs=("input_ids",), labels=("labels",), timeout=TIMEOUT, **options)
         built = max(gather(time.perf_counter() - start))
         record["group_count"] = loader.group_count
         stats = gather(stats_per_step(loader, source))
@@ -377,7 +380,7 @@ def scale_main(s: Settings) -> int:
         loader.close()
         return {"construct": built, "steps": steps, "stats": stats}
 
-    record["rounds"] = in_rounds({name: (lambda p=p: run(p)) for name, p in LOADERS.items()}, s.rounds)
+    record["rounds"] = in_rounds({name: (lambda o=o: run(o)) for name, o in LOADERS.items()}, s.rounds)
     if dist.get_rank() == 0:
         with open(s.out, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -473,16 +476,18 @@ def delivery_tables(rows: list[dict[str, Any]]) -> list[str]:
         mine = [r for r in rows if r["n_tensors"] == n_tensors]
         lines += [
             f"### {n_tensors} tensor{'s' if n_tensors > 1 else ''} ({dtypes}): vs the limit", "",
-            "| payload | wire bytes | steps | loader p=1 | loader default | raw broadcast | raw header + payload | "
-            "p=1 / raw | default / raw | p=1 / raw header + payload | collectives per step (stats) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| payload | wire bytes | steps | loader p=1 | loader default | loader device | raw broadcast | "
+            "raw header + payload | p=1 / raw | default / raw | device / raw | p=1 / raw header + payload | "
+            "collectives per step (stats) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in mine:
             rd = r["rounds"]
             lines.append(
                 f"| {size(r['payload'])} | {r['wire_bytes']} | {r['steps']} | {p50_p95(rd['loader_p1'])} | "
-                f"{p50_p95(rd['loader_default'])} | {p50_p95(rd['raw'])} | {p50_p95(rd['raw_pair'])} | "
-                f"{ratio(rd, 'loader_p1', 'raw'):.2f} | {ratio(rd, 'loader_default', 'raw'):.2f} | "
+                f"{p50_p95(rd['loader_default'])} | {p50_p95(rd['loader_device'])} | {p50_p95(rd['raw'])} | "
+                f"{p50_p95(rd['raw_pair'])} | {ratio(rd, 'loader_p1', 'raw'):.2f} | "
+                f"{ratio(rd, 'loader_default', 'raw'):.2f} | {ratio(rd, 'loader_device', 'raw'):.2f} | "
                 f"{ratio(rd, 'loader_p1', 'raw_pair'):.2f} | {per_role(r['stats']['loader_p1'])} |"
             )
         lines += [
@@ -506,7 +511,7 @@ def profile_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| batch | payload | leader pack | leader message bcast | receiver unpack | "
         "rebuilt step | loader p=1 step | raw broadcast | loader p=1 - rebuilt |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         prof = r["rounds"]["profile"]
@@ -544,7 +549,7 @@ def overlap_table(rows: list[dict[str, Any]]) -> list[str]:
         sync_mean = statistics.median(summary(x)["mean"] for x in r["rounds"]["loader_p1"])
         for name, frac in overlap_summary(r).items():
             variant, factor = name.split(" x")
-            prefetch = "1" if variant == "loader_p1" else "default (2)"
+            prefetch = {"loader_p1": "1", "loader_default": "default (2)", "loader_device": "default (2), device"}[variant]
             lines.append(
                 f"| {size(r['payload'])} | {sync * 1e3:.3f} ms | {sync_mean * 1e3:.3f} ms | "
                 f"{factor} x sync = {int(factor) * sync * 1e3:.3f} ms | {prefetch} | "
@@ -737,7 +742,7 @@ def plot_payloads(plt: Any, delivery: list[dict[str, Any]], path: str) -> None:
     """p50 per step vs payload for every variant, and the ratios to raw broadcast."""
     kinds = sorted({r["n_tensors"] for r in delivery})
     fig, axes = plt.subplots(2, len(kinds), figsize=(6 * len(kinds), 8), squeeze=False)
-    variants = ("loader_p1", "loader_default", "raw", "raw_pair", "per_tensor")
+    variants = ("loader_p1", "loader_default", "loader_device", "raw", "raw_pair", "per_tensor")
     for col, n_tensors in enumerate(kinds):
         rows = [r for r in delivery if r["n_tensors"] == n_tensors]
         x = [r["payload"] for r in rows]
