@@ -1,0 +1,558 @@
+"""One-shot check of CollectiveLoader on one GPU (or, with ``--cpu``, the same flow on CPUs).
+
+    bash bench/gpu_check.sh            # under 5 minutes: bench/results/gpu_check_<date>.md
+    bash bench/gpu_check.sh --cpu      # the same flow with device "cpu" (a CPU-only machine)
+    bash bench/gpu_check.sh --out DIR  # write the report to DIR instead
+
+The package is tested with gloo on CPUs only; this is the first run of its CUDA paths, so it is
+built to be run unattended, once, and to say plainly what passed. Exit code 0 only if every
+check passed. The checks:
+
+* ``delivery_pp2_tp2`` and ``delivery_dp2_cp2``: 4 ranks sharing the one device, default
+  (host) transport, meshes ``pp=2,tp=2`` and ``dp=2,cp=2`` (sequence keys split over cp). Every
+  rank compares every tensor of every step, bit for bit, with the batch it computes itself from
+  the step and its mesh coordinates (inputs to the first pipeline stage, labels to the last),
+  and checks it lies on ``loader.device``. Each batch is also summed by a kernel on the current
+  stream as soon as the loop gets it; the sums are compared after the run, so a batch handed
+  over before its copy to the GPU is done shows up there, without a sync in the loop.
+* ``no_host_sync`` (CUDA only): those loops run under ``torch.cuda.set_sync_debug_mode("error")``,
+  so a host sync anywhere while they run (``next()``, the transfer thread) raises.
+* ``exposed_wait``: on the ``pp=2,tp=2`` mesh, the time inside ``next()`` per step with no
+  compute (the transfer cannot overlap anything: synchronous delivery) and with a loop of
+  matmuls between steps (the transfer should hide behind it). Passes when the median wait with
+  compute is at most ``HIDDEN`` of the synchronous one and the batches' kernel sums match; not
+  applicable (figures only) on a machine with fewer than 2 cores per rank, where the transfer
+  threads have no core to run on while the compute runs.
+* ``device_transport_1rank``: ``transport="device"`` with world size 1 (NCCL on CUDA, with the
+  default group ``cpu:gloo,cuda:nccl``; gloo with ``--cpu``): bit-exact batches over an epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from collective_loader import CollectiveLoader, launch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+INPUTS = ("input_ids", "sample_id")  # to the first pipeline stage
+LABELS = ("labels", "sample_id")  # to the last
+SEQ_DIMS = {"input_ids": 1, "labels": 1}
+WARMUP = 2  # steps left out of the timing figures (thread start, first allocations)
+HIDDEN = 0.5  # exposed_wait passes when the median wait with compute is at most this share of the synchronous one
+LOADER_TIMEOUT = 60.0  # seconds a rank waits in one collective: a hang becomes an error well within a world's timeout
+WORLD_TIMEOUT = 180.0  # seconds the 4-rank world may run (both its meshes)
+ALONE_TIMEOUT = 90.0  # seconds the 1-rank world may run; with the above, within the script's 300 s
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Sizes for one device: a few MiB per step on a GPU, small enough on CPUs for a 2-core test."""
+
+    device: str
+    batch: int  # samples per step
+    seq_len: int  # int64 tokens per sample
+    steps: int  # per epoch
+    matmul: int  # n of the n x n float32 matmuls of the compute loop
+    compute_s: float  # compute time per step the matmul count is calibrated to
+
+
+CUDA = Settings("cuda", batch=8, seq_len=32768, steps=40, matmul=4096, compute_s=0.010)
+CPU = Settings("cpu", batch=4, seq_len=4096, steps=10, matmul=160, compute_s=0.010)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One mesh and transport, run by every rank of a world; ``timed`` adds the two timed epochs."""
+
+    name: str
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    transport: str = "host"
+    timed: bool = False
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """The cases one world runs in order: one world start for several meshes, as starting ranks is
+    most of the time on a small machine. Every rank writes a record per case into ``records``."""
+
+    cases: tuple[Case, ...]
+    settings: Settings
+    records: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """What a rank should get, from its mesh coordinates alone (not from the package's layout code)."""
+
+    dp_rank: int
+    dp_size: int
+    first: bool
+    last: bool
+    cp_size: int
+    cp_index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    name: str
+    status: str  # "passed", "failed" or "not applicable"
+    detail: str
+
+
+# --- data: a deterministic function of the step ---------------------------------------------
+
+
+def sample_batch(step: int, dp_rank: int, dp_size: int, s: Settings) -> dict[str, torch.Tensor]:
+    """Replica ``dp_rank``'s batch of ``step``: ids unique over steps and replicas, and tokens
+    unique over ids and positions, so a rank holding another step's or replica's data (or a
+    shifted slice) is caught."""
+    first = (step * dp_size + dp_rank) * s.batch
+    ids = torch.arange(first, first + s.batch, dtype=torch.int64)
+    tokens = ids[:, None] * s.seq_len + torch.arange(s.seq_len, dtype=torch.int64)
+    return {"input_ids": tokens, "labels": tokens + 1, "sample_id": ids}
+
+
+class Source:
+    """The leader's source: one epoch of ``steps`` batches per ``iter()``, like a DataLoader."""
+
+    def __init__(self, where: Where, s: Settings) -> None:
+        self.where, self.s = where, s
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for step in range(self.s.steps):
+            yield sample_batch(step, self.where.dp_rank, self.where.dp_size, self.s)
+
+
+def where_of(mesh: DeviceMesh) -> Where:
+    """This rank's place from the DeviceMesh's own coordinates, so the expectation does not reuse
+    the package's layout code it checks."""
+    coord = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    size = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
+    pp = size.get("pp", 1)
+    return Where(
+        dp_rank=coord.get("dp", 0), dp_size=size.get("dp", 1), first=coord.get("pp", 0) == 0,
+        last=coord.get("pp", 0) == pp - 1, cp_size=size.get("cp", 1), cp_index=coord.get("cp", 0),
+    )
+
+
+def zigzag(t: torch.Tensor, dim: int, n: int, i: int) -> torch.Tensor:
+    """Rank ``i`` of ``n``'s piece: chunks ``i`` and ``2n-1-i`` of ``2n`` (the loader's default layout)."""
+    if n == 1:
+        return t
+    chunks = t.chunk(2 * n, dim=dim)
+    return torch.cat([chunks[i], chunks[2 * n - 1 - i]], dim=dim)
+
+
+def expected(step: int, where: Where, s: Settings) -> dict[str, torch.Tensor]:
+    """The host batch a rank at ``where`` must get at ``step``."""
+    full = sample_batch(step, where.dp_rank, where.dp_size, s)
+    keys = (INPUTS if where.first else ()) + (LABELS if where.last else ())
+    return {k: zigzag(full[k], SEQ_DIMS[k], where.cp_size, where.cp_index) if k in SEQ_DIMS else full[k] for k in keys}
+
+
+def compare(got: Mapping[str, Any], want: Mapping[str, torch.Tensor], device: torch.device) -> list[str]:
+    """What differs between a delivered batch and the expected one: keys, device, dtype, shape,
+    values. Values are compared with ``torch.equal`` on the host; the data is integer, so equal
+    means bit-identical. Syncs with a GPU: call it outside the sync-debug window."""
+    problems = []
+    if set(got) != set(want):
+        problems.append(f"keys {sorted(got)}, want {sorted(want)}")
+    for key in sorted(set(got) & set(want)):
+        g, w = got[key], want[key]
+        if not isinstance(g, torch.Tensor):
+            problems.append(f"{key}: a {type(g).__name__}, want a tensor")
+            continue
+        if g.device != device:
+            problems.append(f"{key}: on {g.device}, want {device}")
+        g = g.cpu()
+        if g.dtype != w.dtype or g.shape != w.shape:
+            problems.append(f"{key}: {g.dtype}{tuple(g.shape)}, want {w.dtype}{tuple(w.shape)}")
+        elif not torch.equal(g, w):
+            at = tuple((g != w).nonzero()[0].tolist())
+            problems.append(f"{key}: differs first at {at}: {g[at].item()}, want {w[at].item()}")
+    return problems
+
+
+def expected_sum(where: Where, s: Settings) -> int:
+    return sum(int(t.sum()) for step in range(s.steps) for t in expected(step, where, s).values())
+
+
+# --- device ---------------------------------------------------------------------------------
+
+
+def target_device(s: Settings) -> torch.device:
+    """The device batches must land on: GPU 0 (every rank shares it), or the CPU."""
+    return torch.device("cuda", 0) if s.device == "cuda" else torch.device("cpu")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def no_host_sync(device: torch.device) -> Iterator[None]:
+    """On CUDA, any host sync inside the block raises (``set_sync_debug_mode`` is process-wide,
+    so the transfer thread is watched too). A no-op on CPU: there is no stream to sync with."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def batch_sum(batch: Mapping[str, torch.Tensor], acc: torch.Tensor) -> None:
+    """Add the batch's sum to ``acc`` with kernels on the current stream: uses the batch right
+    away, without a sync, so a batch handed over before its data arrived sums wrong."""
+    for t in batch.values():
+        acc += t.sum()
+
+
+def make_compute(device: torch.device, n: int, target_s: float) -> tuple[Callable[[], None], int]:
+    """A loop of n x n matmuls calibrated to about ``target_s`` (enqueued without a sync on a GPU),
+    and its matmul count. Ranks calibrate at once, so sharing the device is in the count."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    c = torch.empty(n, n, device=device)
+
+    def one() -> float:
+        start = time.perf_counter()
+        torch.mm(a, b, out=c)
+        sync(device)
+        return time.perf_counter() - start
+
+    one()  # warm-up: cuBLAS initialization
+    reps = max(1, round(target_s / statistics.median(one() for _ in range(5))))
+
+    def compute() -> None:
+        for _ in range(reps):
+            torch.mm(a, b, out=c)
+
+    return compute, reps
+
+
+# --- one rank -------------------------------------------------------------------------------
+
+
+def checked_epoch(loader: CollectiveLoader, where: Where, s: Settings) -> list[str]:
+    """One epoch under the sync-debug window (a host sync in it raises), each batch summed on
+    arrival and kept; compared bit for bit after the window closes. Returns the problems."""
+    device = loader.device
+    acc = torch.zeros((), dtype=torch.int64, device=device)
+    got: list[dict[str, Any]] = []
+    it = iter(loader)
+    with no_host_sync(device):
+        for batch in it:
+            batch_sum(batch, acc)
+            got.append(batch)
+    problems = []
+    if loader.device != target_device(s):
+        problems.append(f"loader.device is {loader.device}, want {target_device(s)}")
+    if len(got) != s.steps:
+        problems.append(f"{len(got)} steps, want {s.steps}")
+    for step, batch in enumerate(got):
+        problems += [f"step {step}: {p}" for p in compare(batch, expected(step, where, s), device)]
+    if int(acc) != expected_sum(where, s):
+        problems.append(f"kernel sum of the batches on arrival {int(acc)}, want {expected_sum(where, s)}")
+    return problems
+
+
+def timed_epoch(loader: CollectiveLoader, compute: Callable[[], None] | None) -> tuple[list[float], list[float], int]:
+    """Seconds inside ``next()`` and in the rest of each step (the compute, then a device sync,
+    so the host cannot run ahead and the next wait is the real one); and the batches' kernel sum.
+    Batches are not kept: the loader's buffers are reused as in training."""
+    device = loader.device
+    acc = torch.zeros((), dtype=torch.int64, device=device)
+    waits, computes = [], []
+    it = iter(loader)
+    while True:
+        start = time.perf_counter()
+        batch = next(it, None)
+        got = time.perf_counter()
+        if batch is None:
+            break
+        batch_sum(batch, acc)
+        if compute is not None:
+            compute()
+        sync(device)
+        waits.append(got - start)
+        computes.append(time.perf_counter() - got)
+    return waits, computes, int(acc)
+
+
+def timing(loader: CollectiveLoader, where: Where, s: Settings) -> dict[str, Any]:
+    """The synchronous epoch, then the one with compute; their sums checked."""
+    compute, reps = make_compute(loader.device, s.matmul, s.compute_s)
+    sync_waits, _, sync_sum = timed_epoch(loader, None)
+    waits, computes, sum_ = timed_epoch(loader, compute)
+    want = expected_sum(where, s)
+    sums = {"synchronous": sync_sum, "compute": sum_}
+    problems = [f"{epoch} epoch: kernel sum {got}, want {want}" for epoch, got in sums.items() if got != want]
+    return {"sync": sync_waits, "wait": waits, "compute": computes, "reps": reps, "problems": problems}
+
+
+def run_case(case: Case, s: Settings) -> dict[str, Any]:
+    """Every rank: build the mesh and the loader, run the checked epoch (then the timed ones)."""
+    if s.device == "cuda":
+        torch.cuda.set_device(0)  # before the mesh: every rank shares GPU 0
+    mesh = init_device_mesh(s.device, case.shape, mesh_dim_names=case.dims)
+    where = where_of(mesh)
+    loader = CollectiveLoader(
+        Source(where, s), mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, transport=case.transport,
+        timeout=LOADER_TIMEOUT,
+    )
+    try:
+        record: dict[str, Any] = {"problems": checked_epoch(loader, where, s)}
+        if case.timed:  # on every rank alike, problems or not: a rank that skipped would leave its peers waiting
+            record["timing"] = timing(loader, where, s)
+    finally:
+        loader.close()
+    return record
+
+
+def record_path(records: str, case: Case, rank: int) -> str:
+    return os.path.join(records, f"{case.name}.{rank}.json")
+
+
+def rank_main(job: Job) -> int:
+    """Every rank: run the cases, write a record for each (an exception's traceback included);
+    exit 1 on any problem. Stops at an exception: its peers may be stuck in that case's collectives."""
+    failed = False
+    for case in job.cases:
+        try:
+            record = run_case(case, job.settings)
+        except Exception:  # the report says what happened on which rank
+            record = {"error": traceback.format_exc()}
+        with open(record_path(job.records, case, dist.get_rank()), "w") as f:
+            json.dump(record, f)
+        if "error" in record:
+            return 1
+        failed |= bool(record["problems"] or record.get("timing", {}).get("problems"))
+    return int(failed)
+
+
+def _alone_main(job: Job, backend: str, init_file: str) -> None:
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        code = rank_main(job)
+    finally:
+        dist.destroy_process_group()
+    sys.exit(code)
+
+
+def run_alone(job: Job) -> int:
+    """A world of one rank in a spawned process, with a default group that has a CUDA backend
+    (``launch.run`` makes gloo-only worlds, and the device transport on a GPU needs NCCL)."""
+    backend = "cpu:gloo,cuda:nccl" if job.settings.device == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        proc = mp.get_context("spawn").Process(target=_alone_main, args=(job, backend, os.path.join(tmp, "init")))
+        proc.start()
+        proc.join(ALONE_TIMEOUT)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+            return 124
+        return abs(proc.exitcode or 0)
+
+
+# --- the parent: worlds, verdicts, report ---------------------------------------------------
+
+
+@dataclasses.dataclass
+class Result:
+    """What every rank recorded for one case, and the exit code of the world that ran it."""
+
+    case: Case
+    settings: Settings
+    code: int
+    records: dict[int, dict[str, Any]]
+
+    @property
+    def size(self) -> int:
+        return self.case.size
+
+    def errors(self) -> list[str]:
+        """Ranks that ended without a record or with an exception (a host sync under the
+        sync-debug window is one): every check of the case fails on them, as none was verified."""
+        out = []
+        for rank in range(self.size):
+            record = self.records.get(rank)
+            if record is None:
+                out.append(f"rank {rank}: no record (world exit code {self.code})")
+            elif "error" in record:
+                out.append(f"rank {rank}: {record['error'].strip().splitlines()[-1]}")
+        return out
+
+    def problems(self) -> list[str]:
+        """The errors, and every rank's differences from the expected batches."""
+        found = [f"rank {rank}: {p}" for rank, r in sorted(self.records.items()) for p in r.get("problems", [])]
+        return self.errors() + found
+
+
+def run_world(job: Job) -> list[Result]:
+    """Run the job's cases in one world (they share its size); a result per case."""
+    start = time.monotonic()
+    size = job.cases[0].size
+    code = launch.run(rank_main, job, size, WORLD_TIMEOUT) if size > 1 else run_alone(job)
+    print(f"{', '.join(c.name for c in job.cases)}: exit code {code} in {time.monotonic() - start:.0f}s", flush=True)
+    return [Result(case, job.settings, code, read_records(job.records, case)) for case in job.cases]
+
+
+def read_records(records: str, case: Case) -> dict[int, dict[str, Any]]:
+    out = {}
+    for rank in range(case.size):
+        path = record_path(records, case, rank)
+        if os.path.exists(path):
+            with open(path) as f:
+                out[rank] = json.load(f)
+    return out
+
+
+def verdict(name: str, problems: list[str], passed: str) -> Verdict:
+    """Passed with ``passed`` as detail when nothing went wrong; else failed, naming the first problems."""
+    if not problems:
+        return Verdict(name, "passed", passed)
+    shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    return Verdict(name, "failed", shown)
+
+
+def delivery_verdict(result: Result) -> Verdict:
+    s = result.settings
+    mesh = ",".join(f"{d}={n}" for d, n in zip(result.case.dims, result.case.shape))
+    return verdict(
+        result.case.name, result.problems(),
+        f"{mesh}, transport={result.case.transport}: {result.size} rank{'s' * (result.size > 1)} x {s.steps} steps, "
+        f"every tensor bit-exact on {target_device(s)}, kernel sums on arrival match",
+    )
+
+
+def sync_verdict(results: list[Result]) -> Verdict:
+    if results[0].settings.device != "cuda":
+        return Verdict("no_host_sync", "not applicable", "cpu run: set_sync_debug_mode watches CUDA syncs only")
+    problems = [f"{r.case.name}: {p}" for r in results for p in r.errors()]
+    return verdict("no_host_sync", problems, f"no host sync while {', '.join(r.case.name for r in results)} iterated")
+
+
+def quantiles(per_rank: list[list[float]]) -> tuple[float, float]:
+    """Median and p90 in ms over steps (warm-up left out) of the slowest rank's time each step."""
+    slowest = [max(step) for step in zip(*per_rank)][WARMUP:]
+    return statistics.median(slowest) * 1e3, statistics.quantiles(slowest, n=10)[-1] * 1e3
+
+
+def figures(result: Result) -> dict[str, tuple[float, float]]:
+    timings = [r["timing"] for r in result.records.values()]
+    return {key: quantiles([t[key] for t in timings]) for key in ("sync", "wait", "compute")}
+
+
+def overlap_possible(ranks: int) -> bool:
+    """Whether the transfer can hide behind compute here: each rank needs a core for its loop
+    (on a GPU: the one waiting in the sync) and one for its transfer thread."""
+    return (os.cpu_count() or 1) >= 2 * ranks
+
+
+def wait_verdict(result: Result) -> Verdict:
+    if result.problems():
+        return Verdict("exposed_wait", "failed", f"{result.case.name} failed: its figures are not judged")
+    problems = [f"rank {rank}: {p}" for rank, rec in result.records.items() for p in rec["timing"]["problems"]]
+    fig = figures(result)
+    sync_ms, wait_ms = fig["sync"][0], fig["wait"][0]
+    measured = f"median wait with compute {wait_ms:.2f} ms, synchronous {sync_ms:.2f} ms"
+    if not problems and not overlap_possible(result.size):
+        return Verdict(
+            "exposed_wait", "not applicable",
+            f"{measured}; {os.cpu_count()} cores for {result.size} ranks: a transfer thread has no core of its own "
+            "while the compute runs, so no overlap is expected (batch sums matched)",
+        )
+    if wait_ms > HIDDEN * sync_ms:
+        problems.append(f"median wait with compute {wait_ms:.2f} ms > {HIDDEN:.0%} of synchronous {sync_ms:.2f} ms")
+    return verdict("exposed_wait", problems, measured)
+
+
+def device_name(s: Settings) -> str:
+    if s.device == "cuda":
+        return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return f"cpu {platform.processor() or platform.machine()}, {os.cpu_count()} cores (torch {torch.__version__})"
+
+
+def report(s: Settings, verdicts: list[Verdict], timed: Result, argv: list[str]) -> str:
+    today = datetime.date.today().isoformat()
+    lines = [
+        f"# CollectiveLoader device check, {today}", "",
+        f"device: {device_name(s)}", f"command: `bash bench/gpu_check.sh {' '.join(argv)}`", "",
+        "| check | verdict | detail |", "|---|---|---|",
+        *(f"| {v.name} | {v.status} | {v.detail.replace('|', '/')} |" for v in verdicts), "",
+    ]
+    if all(r.get("timing") for r in timed.records.values()) and len(timed.records) == timed.size:
+        payload = sum(t.nbytes for t in sample_batch(0, 0, 1, s).values()) / 2**20
+        reps = max(r["timing"]["reps"] for r in timed.records.values())
+        lines += [
+            (
+                f"Exposed wait on {timed.case.name} ({timed.size} ranks, transport={timed.case.transport}, {s.steps} "
+                f"steps per epoch, first {WARMUP} left out, slowest rank per step; batch {payload:.2f} MiB per step; "
+                f"compute: {reps} matmuls of {s.matmul}x{s.matmul} float32 per step, then a device sync):"
+            ),
+            "",
+            "| per step | median ms | p90 ms |", "|---|---|---|",
+        ]
+        labels = {"sync": "next(), no compute (synchronous delivery)", "wait": "next(), with compute", "compute": "compute"}
+        lines += [f"| {labels[k]} | {med:.2f} | {p90:.2f} |" for k, (med, p90) in figures(timed).items()]
+        lines.append("")
+    lines += [f"- {v.name}: {v.status}" for v in verdicts]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="run on CPUs (device 'cpu'), on a machine without a GPU")
+    parser.add_argument("--out", default=RESULTS, help="directory of the report (default: bench/results)")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    s = CPU if args.cpu else CUDA
+    if s.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device here; run with --cpu for the CPU flow", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as records:
+        pp_tp, dp_cp = run_world(Job((
+            Case("delivery_pp2_tp2", ("pp", "tp"), (2, 2), timed=True), Case("delivery_dp2_cp2", ("dp", "cp"), (2, 2)),
+        ), s, records))
+        (alone,) = run_world(Job((Case("device_transport_1rank", ("dp",), (1,), transport="device"),), s, records))
+    verdicts = [
+        delivery_verdict(pp_tp), delivery_verdict(dp_cp), sync_verdict([pp_tp, dp_cp, alone]),
+        wait_verdict(pp_tp), delivery_verdict(alone),
+    ]
+    text = report(s, verdicts, pp_tp, argv)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"gpu_check_{datetime.date.today().isoformat()}.md")
+    with open(path, "w") as f:
+        f.write(text)
+    print(text + f"written to {path}")
+    return 0 if all(v.status != "failed" for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
