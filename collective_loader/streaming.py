@@ -170,13 +170,16 @@ class StreamingSource:
         layout = MeshLayout.from_mesh(mesh, roles)
         self.place = layout.place(dist.get_rank())
         leaders = layout.leaders()
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        # pure arithmetic from the layout and the node size, done on every rank: a placement
+        # streaming cannot express is refused everywhere, not on the leaders alone (the others
+        # would wait for them in a group creation until killed)
+        self._env = leader_env(leaders, self.place.dp_rank, local_world_size)
         self._group = (
             dist.new_group(sorted(leaders), backend="gloo", timeout=datetime.timedelta(seconds=timeout))
             if len(leaders) > 1
             else None
         )
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        self._env = leader_env(leaders, self.place.dp_rank, local_world_size) if self.place.is_leader else {}
         self.batch_size = batch_size
         self._collate = collate
         self._num_workers = num_workers

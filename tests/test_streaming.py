@@ -302,3 +302,21 @@ def test_an_epoch_left_early_stops_streamings_threads_before_release(world, data
     states = [s for s in world.run(left_early, data, timeout=120) if s is not None]
     assert states == ["EXITED", "EXITED"]
     assert leftovers() == []
+
+
+def uneven_leaders(data):
+    """dp=3, tp=2 on two nodes of 3 ranks: two leaders on the first node, one on the second."""
+    os.environ["LOCAL_WORLD_SIZE"] = "3"
+    try:
+        StreamingSource(ranks.make_mesh(("dp", "tp"), (3, 2)), local=data, batch_size=2)
+    except ValueError as e:
+        return str(e)
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = str(dist.get_world_size())
+    return None
+
+
+def test_leaders_spread_unevenly_over_nodes_are_refused_on_every_rank(worlds, data):
+    # refused on the leaders alone, the other ranks went on into group creation and hung
+    messages = worlds.get(6).run(uneven_leaders, data, timeout=60)
+    assert all(m is not None and "unevenly" in m for m in messages), messages
