@@ -81,18 +81,14 @@ class Routing:
                 f"batch has keys {extra} that are in none of inputs={self.inputs}, labels={self.labels} and "
                 f"every_stage={self.every_stage}; list each key a stage needs, or drop it in the source"
             )
-        sizes = [size for _, size in self.shard_dims]
-        if not sizes or all(s == 1 for s in sizes):
+        for key, dim in self.seq_dims.items():
+            _check_seq_value(key, dim, batch[key])
+        need = sharding.divisor([(size, 0) for _, size in self.shard_dims], self.layout)
+        if need == 1:  # nothing is split: any length will do
             return
-        need = sharding.divisor([(s, 0) for s in sizes], self.layout)
         over = " x ".join(f"{n}={s}" for n, s in self.shard_dims)
         for key, dim in self.seq_dims.items():
-            value = batch[key]
-            if not isinstance(value, torch.Tensor):
-                raise BatchError(f"seq_dims names {key!r}, but the batch holds a {type(value).__qualname__} there")
-            if not -value.dim() <= dim < value.dim():
-                raise BatchError(f"seq_dims[{key!r}] = {dim}, but {key!r} has shape {tuple(value.shape)}")
-            length = value.shape[dim]
+            length = batch[key].shape[dim]
             if length % need:
                 raise BatchError(
                     f"key {key!r} has length {length} along dim {dim}; the {self.layout} layout over {over} "
@@ -117,3 +113,18 @@ class Routing:
             k: sharding.shard(v, self.seq_dims[k], levels, self.layout) if k in self.seq_dims else v
             for k, v in selected.items()
         }
+
+
+def _check_seq_value(key: str, dim: int, value: Any) -> None:
+    """Refuse a ``seq_dims`` value that has no ``dim``, whatever the shard size: a batch that
+    works at cp=1 must not start failing when the same job runs at cp=2."""
+    if not isinstance(value, torch.Tensor):
+        raise BatchError(
+            f"seq_dims[{key!r}] = {dim} needs a tensor, but the batch holds a {type(value).__qualname__} there; "
+            f"make {key!r} a tensor in the source or drop it from seq_dims"
+        )
+    if not -value.dim() <= dim < value.dim():
+        raise BatchError(
+            f"seq_dims[{key!r}] = {dim}, but {key!r} has shape {tuple(value.shape)}; "
+            f"give the dim of {key!r} that holds the sequence"
+        )
