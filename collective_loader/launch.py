@@ -1,7 +1,10 @@
-"""Run a function on every rank of a local gloo world, or on this rank under torchrun.
+"""Start a local gloo world of spawned processes, or run on this rank under torchrun.
 
-Used by the demo and the benchmarks: ``python -m collective_loader demo`` starts its own world;
-``torchrun --nproc-per-node N -m collective_loader demo`` runs one rank per process.
+The one way this project starts a local world: ``spawn_ranks`` starts the processes,
+``init_rank`` makes each one a rank, ``kill_ranks`` ends them. ``run`` (the demo and the
+benchmarks: ``python -m collective_loader demo`` starts its own world; ``torchrun
+--nproc-per-node N -m collective_loader demo`` runs one rank per process) and the tests' reusable
+``World`` are both built on them.
 """
 
 from __future__ import annotations
@@ -12,24 +15,71 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from multiprocessing.process import BaseProcess
+from typing import Any, Callable, NoReturn
 
+import torch
 import torch.distributed as dist
+
+# Spawn, not fork: a forked child inherits the parent's torch threads and locks. Queues shared
+# with the ranks must come from this context too.
+SPAWN = mp.get_context("spawn")
 
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def _rank_main(fn: Callable[..., int], args: Any, rank: int, size: int, init_file: str | None) -> None:
-    if init_file is not None:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size))
-        import torch
+def init_rank(rank: int, size: int, init_file: str) -> None:
+    """Make this process rank ``rank`` of a gloo world of ``size`` on this machine.
 
-        torch.set_num_threads(1)  # many ranks share a few cores
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
-    else:
-        dist.init_process_group("gloo")
+    Sets the environment torchrun would (libraries such as streaming read it to find their rank)
+    and rendezvous through ``init_file``, so no port has to be found free. One torch thread per
+    rank: many ranks share a few cores.
+    """
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size),
+        MASTER_ADDR="127.0.0.1",
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+
+
+def spawn_ranks(target: Callable[..., None], size: int, *args: Any) -> tuple[list[BaseProcess], str]:
+    """Start ``target(rank, size, init_file, *args)`` in ``size`` spawned processes.
+
+    Returns the processes and the temp dir holding ``init_file``; give both to ``kill_ranks``.
+    ``target`` calls ``init_rank(rank, size, init_file)``. The processes are not daemons: a
+    daemon may not have children, and a rank's DataLoader starts worker processes.
+    """
+    tmp = tempfile.mkdtemp(prefix="collective_loader_")
+    init_file = os.path.join(tmp, "init")
+    procs: list[BaseProcess] = []
+    try:
+        for rank in range(size):
+            p = SPAWN.Process(target=target, args=(rank, size, init_file, *args), daemon=False)
+            p.start()
+            procs.append(p)
+    except BaseException:
+        kill_ranks(procs, tmp)  # the started ones would wait for the others forever
+        raise
+    return procs, tmp
+
+
+def kill_ranks(procs: list[BaseProcess], tmp: str) -> None:
+    """Kill the ranks still running, reap them and remove their temp dir.
+
+    SIGKILL, not SIGTERM: a rank may be blocked inside a collective that never completes.
+    """
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(5)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _call(fn: Callable[[Any], int], args: Any) -> NoReturn:
     try:
         code = fn(args)
     finally:
@@ -37,20 +87,21 @@ def _rank_main(fn: Callable[..., int], args: Any, rank: int, size: int, init_fil
     sys.exit(code)
 
 
+def _rank_main(rank: int, size: int, init_file: str, fn: Callable[[Any], int], args: Any) -> None:
+    init_rank(rank, size, init_file)
+    _call(fn, args)
+
+
 def run(fn: Callable[[Any], int], args: Any, world_size: int, timeout: float) -> int:
-    """Run ``fn(args)`` on every rank; return the worst exit code. Kills the world on timeout."""
+    """Run ``fn(args)`` on every rank; return the worst exit code. Kills the world on timeout.
+
+    Under torchrun this process is one rank: it runs ``fn`` and exits with its code.
+    """
     if under_torchrun():
-        _rank_main(fn, args, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None)
-    tmp = tempfile.mkdtemp(prefix="collective_loader_")
-    ctx = mp.get_context("spawn")
-    procs = [
-        # not daemons: a rank's DataLoader may start worker processes; the finally below kills them
-        ctx.Process(target=_rank_main, args=(fn, args, r, world_size, os.path.join(tmp, "init")))
-        for r in range(world_size)
-    ]
+        dist.init_process_group("gloo")
+        _call(fn, args)
+    procs, tmp = spawn_ranks(_rank_main, world_size, fn, args)
     try:
-        for p in procs:
-            p.start()
         deadline = time.monotonic() + timeout
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -60,7 +111,4 @@ def run(fn: Callable[[Any], int], args: Any, world_size: int, timeout: float) ->
             return 124
         return max(abs(p.exitcode or 0) for p in procs)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+        kill_ranks(procs, tmp)

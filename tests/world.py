@@ -7,31 +7,25 @@ functions run on the ranks are module-level functions of test modules.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import queue
-import shutil
-import tempfile
 import time
 import traceback
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 from typing import Any, Callable
+
+import torch.distributed as dist
+
+from collective_loader import launch
 
 STARTUP_TIMEOUT = 300.0
 
 
-def _worker(rank: int, size: int, init_file: str, tasks: mp.Queue, results: mp.Queue) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size),
-        MASTER_ADDR="127.0.0.1",
-    )
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+def _worker(rank: int, size: int, init_file: str, tasks: list[Queue], results: Queue) -> None:
+    launch.init_rank(rank, size, init_file)
     results.put((rank, True, "ready"))
     while True:
-        task = tasks.get()
+        task = tasks[rank].get()
         if task is None:
             break
         fn, args, kwargs = task
@@ -47,21 +41,12 @@ class World:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._procs: list[mp.Process] = []
+        self._procs: list[BaseProcess] = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._tmp = tempfile.mkdtemp(prefix="cl_world_")
-        init_file = os.path.join(self._tmp, "init")
-        self._tasks = [ctx.Queue() for _ in range(self.size)]
-        self._results = ctx.Queue()
-        self._procs = [
-            # not daemons: DataLoader workers need a non-daemon parent; kill() ends them all
-            ctx.Process(target=_worker, args=(r, self.size, init_file, self._tasks[r], self._results), daemon=False)
-            for r in range(self.size)
-        ]
-        for p in self._procs:
-            p.start()
+        self._tasks = [launch.SPAWN.Queue() for _ in range(self.size)]
+        self._results = launch.SPAWN.Queue()
+        self._procs, self._tmp = launch.spawn_ranks(_worker, self.size, self._tasks, self._results)
         # starting many ranks on two cores takes a while: that is not the tested function's time
         deadline = time.monotonic() + STARTUP_TIMEOUT
         for _ in range(self.size):
@@ -118,13 +103,8 @@ class World:
         return [r for r, p in enumerate(self._procs) if p.is_alive()]
 
     def kill(self) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-        for p in self._procs:
-            p.join(5)
+        launch.kill_ranks(self._procs, self._tmp)
         self._procs = []
-        shutil.rmtree(self._tmp, ignore_errors=True)
 
     def close(self) -> None:
         if not self._procs:
