@@ -111,9 +111,9 @@ class LeaderStep(_Step):
         groups = self.loader._groups
         kind, message, cause, packed, state = Kind.DATA, "", None, {}, None
         try:
-            with self.watch.loading(step):
+            with self.watch.loading(step):  # step 0 also starts (and resumes) the source
                 batch = self._load(step)
-            state = self._source_state()
+                state = self._source_state()
             self.loader.routing.check(batch)
             packed = {name: self._pack(ch, step, batch) for name, ch in groups.channels.items() if ch.carries_data}
         except StopIteration:

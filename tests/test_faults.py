@@ -116,18 +116,41 @@ def test_dataloader_worker_crash_is_a_leader_error_everywhere(worlds):
     assert len({rec["steps"] for rec in records}) == 1 and records[0]["steps"] < 11, records
 
 
-def stalled_source(stall_on_dp: int, at_step: int):
-    """Replica ``stall_on_dp``'s source blocks (for an hour) before batch ``at_step``."""
-    mesh = ranks.make_mesh(*MESH)
-    dp = mesh_place(mesh, dist.get_rank()).dp_rank
+class StallingSource:
+    """Replica ``dp``'s batches; on replica ``stall_on_dp`` one call blocks for an hour: ``next``
+    before batch ``at``, ``state_dict`` right after it, the first ``iter`` (where DataLoader
+    workers start), or ``load_state_dict`` (a resume)."""
 
-    def source():
-        for step, batch in enumerate(ranks.id_batches(dp, 2, 1000, 2, 16)):
-            if dp == stall_on_dp and step == at_step:
-                time.sleep(3600)
+    def __init__(self, dp: int, stall_on_dp: int, where: str, at: int) -> None:
+        self.dp, self.stalls, self.where, self.at = dp, dp == stall_on_dp, where, at
+        self.step = -1
+
+    def _stall(self, where: str) -> None:
+        if self.stalls and self.where == where and (where in ("iter", "load_state_dict") or self.step == self.at):
+            time.sleep(3600)
+
+    def __iter__(self):
+        self._stall("iter")
+        for self.step, batch in enumerate(ranks.id_batches(self.dp, 2, 1000, 2, 16)):
+            self._stall("next")
             yield batch
 
-    loader = CollectiveLoader(source, mesh, **ranks.KEYS, timeout=TIMEOUT)
+    def state_dict(self) -> dict:
+        self._stall("state_dict")
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._stall("load_state_dict")
+
+
+def stalled_source(stall_on_dp: int, where: str, at: int):
+    mesh = ranks.make_mesh(*MESH)
+    dp = mesh_place(mesh, dist.get_rank()).dp_rank
+    loader = CollectiveLoader(StallingSource(dp, stall_on_dp, where, at), mesh, **ranks.KEYS, timeout=TIMEOUT)
+    if where == "load_state_dict":
+        loader.load_state_dict(
+            {"format": 1, "dp_size": 2, "epoch": 0, "steps": 0, "source": {"step": -1}, "source_elastic": False}
+        )
     steps, start = 0, time.monotonic()
     try:
         for _ in loader:
@@ -138,10 +161,12 @@ def stalled_source(stall_on_dp: int, at_step: int):
     return {"error": None, "steps": steps}
 
 
-def test_stalled_leader_is_reported_as_still_loading(worlds):
-    records = worlds.get(8).run(stalled_source, 1, 4, timeout=TIMEOUT + 3 * SLACK)
+# every call into the source is watched: its first iter(), each next() and state_dict(), a resume
+@pytest.mark.parametrize("where,at", [("next", 4), ("state_dict", 4), ("iter", 0), ("load_state_dict", 0)])
+def test_stalled_leader_is_reported_as_still_loading(worlds, where, at):
+    records = worlds.get(8).run(stalled_source, 1, where, at, timeout=TIMEOUT + 3 * SLACK)
     leader = MeshLayout.build(*MESH, range(8)).leaders()[1]
     for rank, rec in enumerate(records):
         assert rec["error"] == LeaderError.__name__, (rank, rec)
-        assert f"leader rank {leader} (dp_rank 1)" in rec["message"] and "still loading step 4" in rec["message"], rec
-        assert rec["steps"] == 4 and rec["after"] < TIMEOUT + SLACK, rec
+        assert f"leader rank {leader} (dp_rank 1)" in rec["message"] and f"still loading step {at}" in rec["message"], rec
+        assert rec["steps"] == at and rec["after"] < TIMEOUT + SLACK, rec
