@@ -35,6 +35,7 @@ from collective_loader.sharding import Layout
 from collective_loader.transport import Transport, agree, build_groups, gather_strings, mesh_device
 from collective_loader.watchdog import StallWatch
 from collective_loader.wire import Kind
+from collective_loader.workers import stop_workers
 
 Delivery = Literal["broadcast", "scatter"]
 Batch = dict[str, Any]
@@ -288,6 +289,9 @@ class CollectiveLoader:
         """
         if self._epoch is not None:
             self._epoch.close()
+        if self._epoch is None or not self._epoch.in_source():
+            # a DataLoader with persistent_workers keeps its workers after the last epoch
+            stop_workers(getattr(self._source, "_iterator", None), self._source)
         close_source = getattr(self._source, "close", None)
         if callable(close_source):
             if self._epoch is not None and self._epoch.in_source():
@@ -357,7 +361,7 @@ class _Epoch(Iterator[Batch]):
         # an exception in a step ends the epoch: it is raised in the training loop
         self._prefetch: Prefetcher[protocol.Item] = Prefetcher(
             self._step.step, loader.prefetch, is_last=lambda item: item.kind != Kind.DATA,
-            on_error=lambda e: protocol.Item(Kind.SOURCE_ERROR, -1, error=e), name=name,
+            on_error=protocol.failed, name=name,
         )
 
     # --- training-loop side ----------------------------------------------------------------
@@ -400,7 +404,9 @@ class _Epoch(Iterator[Batch]):
         self._close_watch()
 
     def close(self) -> None:
-        """Run the steps already granted (peers run them too), then stop the thread."""
+        """Run the steps already granted (peers run them too), then stop the thread; an epoch
+        left early also stops its source's iteration (and DataLoader workers) now."""
+        early = not self._finished
         if self._posted is not None:  # posted by every rank alike: let it finish
             with contextlib.suppress(RuntimeError):
                 protocol.complete(self.loader, self._posted)
@@ -408,11 +414,12 @@ class _Epoch(Iterator[Batch]):
         self._prefetch.close(JOIN_WAIT if self._finished else self.loader.timeout + JOIN_WAIT)
         self._finished = True
         self._close_watch()
-        # an epoch left early: stop the source's iterator now (DataLoader workers exit with it);
         # a thread still inside the source after the wait keeps it
-        close_iter = getattr(self._source_iter, "close", None)
-        if callable(close_iter) and not self.in_source():
-            close_iter()
+        if early and self._source_iter is not None and not self.in_source():
+            stop_workers(self._source_iter, self.loader._source)
+            close_generator = getattr(self._source_iter, "close", None)
+            if callable(close_generator):
+                close_generator()
 
     def _close_watch(self) -> None:
         if self._watch is not None and not self._prefetch.alive():

@@ -332,6 +332,18 @@ def complete(loader: "CollectiveLoader", posted: Posted) -> Item:
     return item
 
 
+def failed(error: BaseException) -> Item:
+    """The last item of a transfer thread whose step raised: the training loop raises ``error``
+    itself, its class and message kept, and the item's kind follows the class."""
+    if isinstance(error, BatchError):
+        kind = Kind.BATCH_ERROR
+    elif isinstance(error, (DeliveryError, WireError)):
+        kind = Kind.DELIVERY_ERROR
+    else:
+        kind = Kind.SOURCE_ERROR
+    return Item(kind, -1, error=error)
+
+
 def error_of(kind: Kind, text: str) -> BaseException:
     """The exception a failure of ``kind`` raises on every rank."""
     return {Kind.BATCH_ERROR: BatchError, Kind.DELIVERY_ERROR: DeliveryError}.get(kind, LeaderError)(text)

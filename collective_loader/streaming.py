@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from collective_loader.layout import MeshLayout
+from collective_loader.workers import stop_workers
 
 Sample = Mapping[str, Any]
 CLOSE_WAIT = 60.0  # seconds a leader waits for the others before releasing shared files
@@ -229,11 +230,16 @@ class LeaderStream:
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
         assert self.loader is not None, "LeaderStream used after close()"
         self._taken, self._epoch_state = 0, None
-        for batch in self.loader:
-            if self._epoch_state is None:  # the epoch has started: streaming knows its offset now
-                self._epoch_state = self.dataset.state_dict(num_samples=0, from_beginning=False)
-            self._taken += 1
-            yield batch
+        batches = iter(self.loader)
+        try:
+            for batch in batches:
+                if self._epoch_state is None:  # the epoch has started: streaming knows its offset now
+                    self._epoch_state = self.dataset.state_dict(num_samples=0, from_beginning=False)
+                self._taken += 1
+                yield batch
+        except GeneratorExit:  # left early (CollectiveLoader.close): workers exit now, not at gc
+            stop_workers(batches, self.loader)
+            raise
 
     def state_dict(self) -> dict[str, Any]:
         if self._epoch_state is None:
@@ -258,6 +264,7 @@ class LeaderStream:
         """
         if self.dataset is None:
             return
+        stop_workers(getattr(self.loader, "_iterator", None), self.loader)  # persistent_workers
         dataset, self.dataset, self.loader = self.dataset, None, None
         if self._leaders is not None:
             try:

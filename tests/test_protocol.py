@@ -17,7 +17,8 @@ import torch.distributed as dist
 import ranks
 from collective_loader import CollectiveLoader
 from collective_loader.prefetch import Prefetcher
-from collective_loader.protocol import LeaderStep, MemberStep, complete, post
+from collective_loader.errors import BatchError, DeliveryError, LeaderError, WireError
+from collective_loader.protocol import LeaderStep, MemberStep, complete, failed, post
 from collective_loader.watchdog import StallWatch
 from collective_loader.wire import Kind
 
@@ -122,3 +123,17 @@ def test_interrupt_replaces_a_stuck_step():
     p.close(wait=5)
     assert not p.alive()
     assert p._queue.empty()  # what the stuck step returned after the interrupt was dropped
+
+
+@pytest.mark.parametrize(
+    "error,kind",
+    [(DeliveryError("lost rank 3"), Kind.DELIVERY_ERROR), (WireError("bad magic"), Kind.DELIVERY_ERROR),
+     (BatchError("key 'x'"), Kind.BATCH_ERROR), (LeaderError("boom"), Kind.SOURCE_ERROR),
+     (KeyError("k"), Kind.SOURCE_ERROR)],
+)
+def test_an_exception_on_the_transfer_thread_keeps_its_class_and_message(error, kind):
+    """What the training loop raises is the exception the thread saw, not a relabelled one."""
+    p = Prefetcher(lambda n: (_ for _ in ()).throw(error), lead=2, is_last=lambda item: False, on_error=failed, name="t")
+    item = p.take()
+    p.close(wait=5)
+    assert item.error is error and item.kind == kind
