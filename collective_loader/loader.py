@@ -225,7 +225,24 @@ class CollectiveLoader:
             self.epoch = resume["epoch"]
         self._epoch = _Epoch(self, resume)
         self.epoch += 1
-        return self._epoch
+        if resume is None or not resume["steps"]:
+            return self._epoch
+        return self._resumed(self._epoch)
+
+    def _resumed(self, epoch: "_Epoch") -> Iterator[Batch]:
+        """A resumed epoch; when its checkpoint was taken right after its last batch, the next
+        epoch instead of an empty one (every rank sees the same end at the same step)."""
+        try:
+            first = next(epoch)
+        except StopIteration:
+            epoch = self._epoch = _Epoch(self, None)
+            self.epoch += 1
+            try:
+                first = next(epoch)
+            except StopIteration:
+                return
+        yield first
+        yield from epoch
 
     # --- state -------------------------------------------------------------------------------
 

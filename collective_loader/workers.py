@@ -23,9 +23,12 @@ def stop_workers(iterator: Any, dataloader: Any = None) -> None:
         >>> dl = DataLoader(range(8), num_workers=0)
         >>> it = iter(dl); _ = next(it)
         >>> stop_workers(it, dl)   # no workers: nothing to stop
+        >>> stop_workers(None, [])  # nothing at all
     """
+    if iterator is None:
+        return
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if callable(shutdown):
         shutdown()
-    if dataloader is not None and getattr(dataloader, "_iterator", None) is iterator:
+    if getattr(dataloader, "_iterator", None) is iterator:
         dataloader._iterator = None  # persistent_workers: the next epoch must not reuse it

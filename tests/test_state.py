@@ -92,3 +92,48 @@ def test_exact_resume(world, kind):
 def test_dp_change_refused_for_a_source_that_cannot_repartition(world):
     for message in world.run(dp_mismatch, timeout=60):
         assert message is not None and "saved with 4 data-parallel replicas" in message
+
+
+class EpochSource:
+    """Five batches an epoch, their ids telling the epoch; like streaming, a state taken after an
+    epoch's last batch resumes into that epoch with nothing left in it."""
+
+    def __init__(self, dp: int):
+        self.dp, self.epoch, self.next, self._resumed = dp, -1, 0, False
+
+    def __iter__(self):
+        if not self._resumed:
+            self.epoch, self.next = self.epoch + 1, 0
+        self._resumed = False
+        while self.next < 5:
+            self.next += 1
+            yield ranks.sample_batch([1000 * self.epoch + 10 * self.next + self.dp], 16)
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "next": self.next}
+
+    def load_state_dict(self, state):
+        self.epoch, self.next, self._resumed = state["epoch"], state["next"], True
+
+
+def checkpoint_after_last_batch():
+    mesh = ranks.make_mesh(*MESH)
+    dp = mesh_place(mesh, dist.get_rank()).dp_rank
+    first = CollectiveLoader(lambda: EpochSource(dp), mesh, **ranks.KEYS)
+    it = iter(first)
+    for _ in range(5):
+        next(it)  # the epoch's last batch; the loop has not seen its end yet
+    state = first.state_dict()
+    first.close()
+    second = CollectiveLoader(lambda: EpochSource(dp), mesh, **ranks.KEYS)
+    second.load_state_dict(state)
+    ids = [_ids(b) for b in second]
+    epoch = second.epoch
+    second.close()
+    return {"dp": dp, "ids": ids, "epoch": epoch}
+
+
+def test_a_checkpoint_after_the_last_batch_resumes_into_the_next_epoch(worlds):
+    for r in worlds.get(8).run(checkpoint_after_last_batch, timeout=120):
+        assert r["ids"] == [[1000 + 10 * n + r["dp"]] for n in range(1, 6)], r
+        assert r["epoch"] == 2, r  # epochs started: the saved one, then the next
