@@ -30,8 +30,9 @@ import datetime
 import os
 import re
 import tempfile
+import threading
 import warnings
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -107,23 +108,69 @@ def leader_env(leaders: Sequence[int], dp_rank: int, local_world_size: int) -> d
     }
 
 
+class _LeadersBarrier:
+    """Sends streaming's group-less ``barrier()`` calls, and only those, to the leaders' group.
+
+    Streaming looks ``torch.distributed.barrier`` up on the module at call time, so the module
+    attribute must change, and every thread sees it. The redirection is therefore per thread
+    (only a thread inside :meth:`scope`) and per call (only a call without a group): another
+    thread's barrier, or one on an explicit group, reaches the real barrier unchanged. One
+    wrapper stays installed while any thread is inside a scope, so scopes that overlap in several
+    threads put back the real barrier, not each other's wrapper.
+    """
+
+    _OFF = object()  # this thread is in no scope
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._scopes = 0
+        self._real: Callable[..., Any] = dist.barrier
+        self._target = threading.local()
+
+    @contextlib.contextmanager
+    def scope(self, group: dist.ProcessGroup | None) -> Iterator[None]:
+        """Inside, this thread's group-less barriers run over ``group`` (no-ops without one)."""
+        with self._lock:
+            if self._scopes == 0:
+                self._real = dist.barrier
+                dist.barrier = self._barrier
+            self._scopes += 1
+        outer = getattr(self._target, "group", self._OFF)
+        self._target.group = group
+        try:
+            yield
+        finally:
+            self._target.group = outer
+            with self._lock:
+                self._scopes -= 1
+                if self._scopes == 0:
+                    dist.barrier = self._real
+
+    def _barrier(self, *args: Any, **kwargs: Any) -> Any:
+        target = getattr(self._target, "group", self._OFF)
+        explicit = (args[0] if args else kwargs.get("group")) is not None
+        if target is self._OFF or explicit:
+            return self._real(*args, **kwargs)
+        if target is None:  # one leader: nobody to wait for
+            return None
+        return self._real(target, *args[1:], **{k: v for k, v in kwargs.items() if k != "group"})
+
+
+_leaders_barrier = _LeadersBarrier()
+
+
 @contextlib.contextmanager
 def leaders_world(env: Mapping[str, str], group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Inside: ``os.environ`` holds ``env`` and ``torch.distributed.barrier`` runs over ``group``
-    (a no-op without one). Restored on exit, also on an exception."""
+    """Inside: ``os.environ`` holds ``env``, and this thread's group-less
+    ``torch.distributed.barrier()`` calls (streaming's) run over ``group`` (no-ops without one);
+    other threads' barriers and barriers on an explicit group are not touched. Restored on exit,
+    also on an exception. The environment is the process's: build one dataset at a time."""
     saved = {k: os.environ.get(k) for k in env}
-    real_barrier = dist.barrier
-
-    def leaders_barrier(*args: Any, **kwargs: Any) -> None:
-        if group is not None:
-            real_barrier(group=group)
-
     os.environ.update(env)
-    dist.barrier = leaders_barrier  # streaming looks it up on the module at call time
     try:
-        yield
+        with _leaders_barrier.scope(group):
+            yield
     finally:
-        dist.barrier = real_barrier
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -295,33 +342,90 @@ def release(dataset: Any) -> None:
 
 
 def remove_stale(shm_dir: str = "/dev/shm", tmp: str | None = None) -> list[str]:
-    """Remove what killed streaming runs left on this node; return the names removed.
+    """Remove what this user's killed streaming runs left on this node; return the names removed.
 
     A live dataset keeps its shared-memory blocks (``NNNNNN_*`` in ``shm_dir``) mapped; a block
     that no process maps (read from ``/proc/*/maps``) was left by a run that was killed with its
     resource tracker. A lock file ``NNNNNN_*_filelock`` in the temp dir is stale when its
-    prefix's ``NNNNNN_locals`` block is gone. Blocks of live runs, any prefix, are kept.
+    prefix's ``NNNNNN_locals`` block is gone. Only files this user owns are candidates: whether
+    another user's job is alive cannot be read (its maps are closed to us), and its files are not
+    ours to remove. Kept also: every block while a process that may be ours cannot be inspected
+    (see :func:`_mapped_shared_memory`). Never raises: a file that cannot be removed is kept, with
+    a warning.
     """
     tmp = tmp or tempfile.gettempdir()
-    mapped = _mapped_shared_memory()
+    mappings = _mapped_shared_memory()
     removed = []
-    for name in sorted(os.listdir(shm_dir)):
-        if re.fullmatch(r"\d{6}_\w+", name) and name not in mapped:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(shm_dir, name))
-                removed.append(name)
-    for name in sorted(os.listdir(tmp)):
-        match = re.fullmatch(r"(\d{6})_\w+_filelock", name)
-        if match and not os.path.exists(os.path.join(shm_dir, f"{match.group(1)}_locals")):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(tmp, name))
-                removed.append(name)
+    for name, st in _own_entries(shm_dir, r"\d{6}_\w+"):
+        if not mappings.may_map(name, st) and _remove(os.path.join(shm_dir, name)):
+            removed.append(name)
+    for name, _ in _own_entries(tmp, r"\d{6}_\w+_filelock"):
+        if not os.path.exists(os.path.join(shm_dir, f"{name[:6]}_locals")) and _remove(os.path.join(tmp, name)):
+            removed.append(name)
     return removed
 
 
-def _mapped_shared_memory() -> set[str]:
-    """Names of ``/dev/shm`` files some process on this machine has mapped."""
-    names = set()
+def _own_entries(directory: str, pattern: str) -> list[tuple[str, os.stat_result]]:
+    """Names in ``directory`` matching ``pattern`` whose file this process's user owns, sorted."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        warnings.warn(f"cannot list {directory} to remove stale streaming files: {e}", stacklevel=3)
+        return []
+    entries = []
+    for name in names:
+        if not re.fullmatch(pattern, name):
+            continue
+        try:
+            st = os.stat(os.path.join(directory, name))
+        except OSError:  # removed meanwhile
+            continue
+        if st.st_uid == os.geteuid():
+            entries.append((name, st))
+    return entries
+
+
+def _remove(path: str) -> bool:
+    """Remove ``path``; False, with a warning unless someone removed it first, when it cannot be."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        warnings.warn(f"kept {path}: {e}", stacklevel=3)
+        return False
+    return True
+
+
+class _Mappings(NamedTuple):
+    """What ``/proc`` tells about who maps ``/dev/shm`` files."""
+
+    names: frozenset[str]  # mapped by a process whose maps we could read
+    unseen: bool  # some process's maps could not be read
+    unseen_ours: bool  # ... and that process may be one of ours
+
+    def may_map(self, name: str, st: os.stat_result) -> bool:
+        """Whether some process may have our block ``name`` (stat ``st``) mapped.
+
+        A process we cannot inspect can open our block when it runs as us, or when the block's
+        mode lets group or others in (streaming's are 0600).
+        """
+        return name in self.names or self.unseen_ours or (self.unseen and bool(st.st_mode & 0o077))
+
+
+def _mapped_shared_memory() -> _Mappings:
+    """Which ``/dev/shm`` files the processes on this machine have mapped, as far as we can see.
+
+    A process whose maps we cannot read (another user's, or one we lack a capability for) may
+    map anything it can open. It counts as possibly ours when it runs as our user and holds no
+    capability we lack (a process of ours that is not dumpable, e.g. after changing its
+    credentials); a process holding capabilities we lack is a system daemon we did not start
+    (a container's init), and root's processes do not keep another user's blocks mapped
+    (streaming maps another job's blocks only for the moment it reads their prefix).
+    """
+    me = _credentials("self")
+    names: set[str] = set()
+    unseen = unseen_ours = False
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -330,9 +434,31 @@ def _mapped_shared_memory() -> set[str]:
                 for line in maps:
                     if "/dev/shm/" in line:
                         names.add(line.split("/dev/shm/", 1)[1].split()[0])
-        except OSError:  # the process ended, or is not ours to read
+        except PermissionError:  # alive, not ours to read
+            unseen = True
+            unseen_ours = unseen_ours or _may_be_ours(_credentials(pid), me)
+        except OSError:  # the process ended
             continue
-    return names
+    return _Mappings(frozenset(names), unseen, unseen_ours)
+
+
+def _credentials(pid: str) -> tuple[int, int] | None:
+    """``(fsuid, permitted capabilities)`` of a process (``/proc/<pid>/status`` is readable by
+    all), or None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["Uid"].split()[3]), int(fields["CapPrm"], 16)
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def _may_be_ours(theirs: tuple[int, int] | None, me: tuple[int, int] | None) -> bool:
+    """Whether a process we cannot inspect may be one of ours; unknown credentials may be."""
+    if theirs is None or me is None:
+        return True
+    (their_uid, their_caps), (my_uid, my_caps) = theirs, me
+    return their_uid == my_uid and not their_caps & ~my_caps
 
 
 def _shared_memories(obj: Any, depth: int = 3) -> list[Any]:

@@ -1,8 +1,20 @@
-"""The leaders' world streaming sees, for leaders on one or several nodes (no real nodes needed)."""
+"""The leaders' world streaming sees, for leaders on one or several nodes (no real nodes needed);
+the barrier redirection's scope; the clean-up of killed runs' files beside other users' jobs."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import pathlib
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from multiprocessing import shared_memory
 
 import pytest
 import torch.distributed as dist
@@ -66,8 +78,6 @@ def test_leaders_world_restores_env_and_barrier_on_error(monkeypatch):
 
 
 def test_remove_stale_keeps_mapped_blocks_and_removes_the_rest(tmp_path):
-    from multiprocessing import shared_memory
-
     from collective_loader.streaming import remove_stale
 
     live = shared_memory.SharedMemory(name="999990_locals", create=True, size=64)  # mapped here
@@ -85,3 +95,126 @@ def test_remove_stale_keeps_mapped_blocks_and_removes_the_rest(tmp_path):
         live.unlink()
         if os.path.exists("/dev/shm/999991_barrier"):
             os.remove("/dev/shm/999991_barrier")
+
+
+# --- the barrier redirection is scoped --------------------------------------------------------
+
+
+def barriers_while_constructing(timeout_s: float) -> None:
+    """Rank 0 is inside ``leaders_world`` (as while streaming's constructor runs); one of its
+    threads, and rank 1, meanwhile take barriers on another group of the same ranks.
+
+    Only rank 0's group-less calls from the constructing thread may go to the leaders' group:
+    anything else redirected there leaves the other group's barrier waiting until its timeout.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    leaders = dist.new_group([0, 1], backend="gloo", timeout=timeout)
+    other = dist.new_group([0, 1], backend="gloo", timeout=timeout)
+    if dist.get_rank() == 1:  # not constructing: plain barriers, in rank 0's order
+        dist.barrier(group=other)  # meets rank 0's other thread
+        dist.barrier(group=leaders)  # meets rank 0's group-less call (streaming's)
+        dist.barrier(group=other)  # meets rank 0's explicit-group call
+        return
+    errors: list[BaseException] = []
+
+    def other_thread() -> None:
+        try:
+            dist.barrier(group=other)
+        except BaseException as e:  # re-raised on the main thread
+            errors.append(e)
+
+    with leaders_world({}, leaders):
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        dist.barrier()  # what streaming calls: to the leaders
+        thread.join()
+        dist.barrier(group=other)  # an explicit group from the constructing thread: unchanged
+    if errors:
+        raise errors[0]
+
+
+def test_leaders_world_redirects_only_the_constructing_threads_groupless_barriers(worlds):
+    worlds.get(2).run(barriers_while_constructing, 10.0, timeout=60)
+
+
+def test_leaders_world_overlapping_in_two_threads_restores_the_real_barrier():
+    real = dist.barrier
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with leaders_world({}, None):
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()  # leaves before the second thread does
+
+    def second() -> None:
+        first_in.wait(10)
+        with leaders_world({}, None):
+            second_in.set()
+            first_out.wait(10)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert dist.barrier is real
+
+
+# --- remove_stale beside another user's job ---------------------------------------------------
+
+# Runs remove_stale as nobody in a fresh process. It starts as root and drops to nobody the way
+# setpriv --reuid --regid --clear-groups does, after its imports: python lives under /root, which
+# nobody cannot enter.
+AS_NOBODY = textwrap.dedent("""
+    import json, os, sys
+    from collective_loader.streaming import remove_stale
+    uid, gid, shm_dir, tmp = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    with open("/proc/self/status") as f:
+        assert "CapEff:\t0000000000000000" in f.read(), "still privileged"
+    print(json.dumps(remove_stale(shm_dir, tmp)))
+""")
+
+
+def _file(path: str, uid: int, gid: int) -> str:
+    """An empty file of ``uid``, mode 0600 as streaming's blocks are."""
+    with open(path, "w"):
+        pass
+    os.chmod(path, 0o600)
+    os.chown(path, uid, gid)
+    return path
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: to own a block nobody cannot see, and to become nobody")
+def test_remove_stale_as_another_user_keeps_what_is_not_its_own():
+    nobody = pwd.getpwnam("nobody")
+    uid, gid = nobody.pw_uid, nobody.pw_gid
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="collective_loader_stale_"))  # pytest's tmp_path is root's only
+    tmp.chmod(0o1777)  # like /tmp: anyone may create, only the owner may remove
+    live = shared_memory.SharedMemory(name="999980_locals", create=True, size=64)  # root's live job
+    created = [
+        _file("/dev/shm/999982_barrier", 0, 0),  # root's, unmapped: nobody cannot tell whose job it is
+        _file("/dev/shm/999981_locals", uid, gid),  # nobody's, unmapped: its own killed run's
+        _file(str(tmp / "999980_barrier_filelock"), uid, gid),  # nobody's lock of a live prefix
+        _file(str(tmp / "999981_barrier_filelock"), uid, gid),  # nobody's lock of a gone prefix
+        _file(str(tmp / "999983_cache_filelock"), 0, 0),  # root's lock of a gone prefix
+    ]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", AS_NOBODY, str(uid), str(gid), "/dev/shm", str(tmp)],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout) == ["999981_locals", "999981_barrier_filelock"]
+        assert os.path.exists("/dev/shm/999980_locals") and os.path.exists("/dev/shm/999982_barrier")
+        assert sorted(p.name for p in tmp.iterdir()) == ["999980_barrier_filelock", "999983_cache_filelock"]
+    finally:
+        live.close()
+        live.unlink()
+        for path in created:
+            if os.path.exists(path):
+                os.remove(path)
+        shutil.rmtree(tmp)
