@@ -1,6 +1,8 @@
 """collective_loader: one loader per data-parallel replica, delivery over DeviceMesh subgroups."""
 
-from collective_loader.errors import BatchError, ConfigMismatchError, DeliveryError, LeaderError, WireError
+from collective_loader.errors import (
+    BatchError, ConfigMismatchError, ConstructionError, DeliveryError, LeaderError, WireError,
+)
 from collective_loader.layout import mesh_place
 from collective_loader.loader import CollectiveLoader
 
@@ -8,6 +10,7 @@ __all__ = [
     "BatchError",
     "CollectiveLoader",
     "ConfigMismatchError",
+    "ConstructionError",
     "DeliveryError",
     "LeaderError",
     "WireError",

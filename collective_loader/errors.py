@@ -19,6 +19,11 @@ class LeaderError(RuntimeError):
     """The data source raised on a leader; raised on every rank with the original message."""
 
 
+class ConstructionError(ValueError):
+    """Building the loader failed on some rank (an argument it refused, state of its own); raised
+    on every rank with that rank's message, so no rank is left waiting in a collective."""
+
+
 class ConfigMismatchError(ValueError):
     """Ranks constructed the loader with different arguments; raised on every rank."""
 

@@ -27,12 +27,12 @@ import torch.distributed as dist
 
 from collective_loader import protocol, wire
 from collective_loader.device import hand_over
-from collective_loader.errors import ConfigMismatchError, DeliveryError, LeaderError
+from collective_loader.errors import ConfigMismatchError, ConstructionError, DeliveryError, LeaderError
 from collective_loader.layout import MeshLayout
 from collective_loader.prefetch import Prefetcher
 from collective_loader.routing import Routing
 from collective_loader.sharding import Layout
-from collective_loader.transport import Transport, agree, build_groups, gather_strings, mesh_device
+from collective_loader.transport import Transport, agreed, build_groups, control_group, gather_strings, mesh_device
 from collective_loader.watchdog import StallWatch
 from collective_loader.wire import Kind
 from collective_loader.workers import stop_workers
@@ -102,6 +102,42 @@ class CollectiveLoader:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("CollectiveLoader needs torch.distributed initialized (init_process_group) first")
+        # each construction phase ends in an agreement over this group: a phase that fails on
+        # some ranks ends construction on every rank, with that rank's error (transport.agreed)
+        control = control_group(timeout)
+        agreed(
+            control,
+            lambda: self._configure(
+                mesh, inputs, labels, every_stage, seq_dims, layout, roles, delivery, transport, prefetch, timeout,
+                max_batch_bytes,
+            ),
+            lambda rank, text: ConstructionError(f"rank {rank} could not build CollectiveLoader: {text}"),
+        )
+        # a buffer per step in flight (the queue, the loop's batch, the one being filled, one
+        # posted or copied to the GPU) per distinct scatter part; a loop that keeps batches makes
+        # the pool allocate, never overwrite
+        parts = math.prod(size for _, size in self.routing.shard_dims) if delivery == "scatter" else 1
+        self._groups = build_groups(
+            control, self.mesh_layout, self.place, self.device, transport, self.timeout, delivery == "scatter",
+            (self.prefetch + 3) * parts, middle_data=bool(self.routing.every_stage),
+        )
+        self._check_same_config()
+        self._source = agreed(
+            control,
+            lambda: self._resolve(source) if self.is_leader else None,
+            lambda rank, text: LeaderError(f"leader rank {rank} could not build its source: {text}"),
+        )
+        self._epoch: _Epoch | None = None
+        self._resume: dict[str, Any] | None = None
+        self.epoch = 0  # epochs started
+        _LIVE.add(self)
+
+    def _configure(
+        self, mesh: Any, inputs: tuple[str, ...], labels: tuple[str, ...], every_stage: tuple[str, ...],
+        seq_dims: Mapping[str, int] | None, layout: Layout, roles: Mapping[str, str] | None, delivery: Delivery,
+        transport: Transport, prefetch: int | None, timeout: float, max_batch_bytes: int,
+    ) -> None:
+        """Check the arguments and derive this rank's settings (local: no collective)."""
         if delivery not in ("broadcast", "scatter"):
             raise ValueError(f"delivery must be 'broadcast' or 'scatter', got {delivery!r}")
         if transport not in ("host", "device"):
@@ -123,21 +159,9 @@ class CollectiveLoader:
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         self.timeout = float(timeout)
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.max_batch_bytes = int(max_batch_bytes)
-        # a buffer per step in flight (the queue, the loop's batch, the one being filled, one
-        # posted or copied to the GPU) per distinct scatter part; a loop that keeps batches makes
-        # the pool allocate, never overwrite
-        parts = math.prod(size for _, size in shard_dims) if delivery == "scatter" else 1
-        self._groups = build_groups(
-            self.mesh_layout, self.place, self.device, transport, self.timeout, delivery == "scatter",
-            (self.prefetch + 3) * parts, middle_data=bool(self.routing.every_stage),
-        )
-        self._check_same_config()
-        self._source = self._build_source(source)
-        self._epoch: _Epoch | None = None
-        self._resume: dict[str, Any] | None = None
-        self.epoch = 0  # epochs started
-        _LIVE.add(self)
 
     # --- public facts ------------------------------------------------------------------------
 
@@ -187,28 +211,16 @@ class CollectiveLoader:
                 f"  rank 0:    {configs[0]}\n  rank {first}: {configs[first]}"
             )
 
-    def _build_source(self, source: Any) -> Iterable[Mapping[str, Any]] | None:
-        """Leaders resolve ``source``; every rank learns if any leader failed."""
-        built, kind, message = None, Kind.DATA, ""
-        if self.is_leader:
-            try:
-                if hasattr(source, "__iter__"):
-                    built = source
-                elif callable(source):
-                    built = source()
-                    if not hasattr(built, "__iter__"):
-                        raise TypeError(f"source() returned a {type(built).__qualname__}, which is not iterable")
-                else:
-                    raise TypeError(f"source must be an iterable or a callable, got {type(source).__qualname__}")
-            except Exception as e:  # reported on every rank below
-                kind, message = Kind.SOURCE_ERROR, f"{type(e).__name__}: {e}"
-                cause = e
-        kind, message, origin = agree(self._groups.control, kind, message)
-        if kind == Kind.SOURCE_ERROR:
-            error = LeaderError(f"leader rank {origin} could not build its source: {message}")
-            if origin == self.place.rank:
-                raise error from cause
-            raise error
+    @staticmethod
+    def _resolve(source: Any) -> Iterable[Mapping[str, Any]]:
+        """A leader's source: ``source`` itself, or what calling it returns."""
+        if hasattr(source, "__iter__"):
+            return source
+        if not callable(source):
+            raise TypeError(f"source must be an iterable or a callable, got {type(source).__qualname__}")
+        built = source()
+        if not hasattr(built, "__iter__"):
+            raise TypeError(f"source() returned a {type(built).__qualname__}, which is not iterable")
         return built
 
     # --- iteration ---------------------------------------------------------------------------

@@ -39,7 +39,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from collective_loader.errors import LeaderError
 from collective_loader.layout import MeshLayout
+from collective_loader.transport import agree
+from collective_loader.wire import Kind
 from collective_loader.workers import stop_workers
 
 Sample = Mapping[str, Any]
@@ -117,6 +120,12 @@ class _LeadersBarrier:
     thread's barrier, or one on an explicit group, reaches the real barrier unchanged. One
     wrapper stays installed while any thread is inside a scope, so scopes that overlap in several
     threads put back the real barrier, not each other's wrapper.
+
+    Each redirected barrier is an agreement (:func:`~collective_loader.transport.agree`), and a
+    scope ends with one more: a leader whose construction raises posts its error as that
+    agreement instead, so the other leaders, waiting in their next barrier or at the end, raise
+    :class:`~collective_loader.errors.LeaderError` with its message at once rather than at the
+    timeout. Every leader runs the same barriers, so the agreements match.
     """
 
     _OFF = object()  # this thread is in no scope
@@ -135,12 +144,20 @@ class _LeadersBarrier:
                 self._real = dist.barrier
                 dist.barrier = self._barrier
             self._scopes += 1
-        outer = getattr(self._target, "group", self._OFF)
-        self._target.group = group
+        outer = getattr(self._target, "group", self._OFF), getattr(self._target, "settled", False)
+        self._target.group, self._target.settled = group, False
         try:
             yield
+        except Exception as e:
+            if group is not None and not self._target.settled:  # the others wait to hear from us
+                with contextlib.suppress(RuntimeError):
+                    agree(group, Kind.SOURCE_ERROR, f"{type(e).__name__}: {e}")
+            raise
+        else:
+            if group is not None:
+                self._agree(group)
         finally:
-            self._target.group = outer
+            self._target.group, self._target.settled = outer
             with self._lock:
                 self._scopes -= 1
                 if self._scopes == 0:
@@ -153,7 +170,14 @@ class _LeadersBarrier:
             return self._real(*args, **kwargs)
         if target is None:  # one leader: nobody to wait for
             return None
-        return self._real(target, *args[1:], **{k: v for k, v in kwargs.items() if k != "group"})
+        self._agree(target)
+        return None
+
+    def _agree(self, group: dist.ProcessGroup) -> None:
+        kind, message, origin = agree(group, Kind.DATA, "")
+        if kind != Kind.DATA:
+            self._target.settled = True  # the failing leader has spoken: no more agreements
+            raise LeaderError(f"leader rank {origin} failed while the leaders built their datasets: {message}")
 
 
 _leaders_barrier = _LeadersBarrier()

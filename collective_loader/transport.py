@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Callable, Literal, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,15 +33,27 @@ from collective_loader.layout import MeshLayout, Place
 from collective_loader.wire import Header, Kind
 
 Transport = Literal["host", "device"]
+T = TypeVar("T")
 MESSAGE_BYTES = 4096  # fixed size of an error message exchanged between leaders
 
 
-def _new_group(ranks: Sequence[int], backend: str, timeout: float, desc: str) -> dist.ProcessGroup | None:
+def _new_group(ranks: Sequence[int], backend: str, timeout: float | None, desc: str) -> dist.ProcessGroup | None:
     """Create a group on every rank; return it on members, None elsewhere."""
     group = dist.new_group(
-        list(ranks), backend=backend, timeout=datetime.timedelta(seconds=timeout), group_desc=desc
+        list(ranks), backend=backend, timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
+        group_desc=desc,
     )
     return group if dist.get_rank() in ranks else None
+
+
+def control_group(timeout: Any) -> dist.ProcessGroup:
+    """The gloo group of the whole world that construction agrees over; built before any
+    argument is checked, so with ``timeout`` only when it is a usable number (else torch's
+    default: the arguments check then refuses it on every rank)."""
+    usable = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+    group = _new_group(range(dist.get_world_size()), "gloo", float(timeout) if usable else None, "collective_loader:control")
+    assert group is not None
+    return group
 
 
 def mesh_device(device_type: str) -> torch.device:
@@ -214,6 +226,7 @@ class Groups:
 
 
 def build_groups(
+    control: dist.ProcessGroup,
     layout: MeshLayout,
     place: Place,
     device: torch.device,
@@ -223,7 +236,8 @@ def build_groups(
     buffers_per_channel: int,
     middle_data: bool,
 ) -> Groups:
-    """Create every group the loader needs. Must be called by every rank, in the same order.
+    """Create every group the loader needs but ``control``. Must be called by every rank, in the
+    same order.
 
     ``device``: where batches land (pinned host buffers when it is a GPU); ``transport``: whether
     tensor bytes also get groups of ``device``'s backend; ``scatter``: the delivery channels that
@@ -236,14 +250,13 @@ def build_groups(
     otherwise, which would then happen inside the training loop's first step).
     """
     pin = device.type == "cuda"
-    count = 0
+    count = 1  # the control group (see control_group)
 
     def make(ranks: Sequence[int], backend: str, desc: str) -> dist.ProcessGroup | None:
         nonlocal count
         count += 1
         return _new_group(ranks, backend, timeout, f"collective_loader:{desc}")
 
-    control = make(sorted(layout.ranks), "gloo", "control")
     leader_ranks = layout.leaders()
     leaders = make(sorted(leader_ranks), "gloo", "leaders") if len(leader_ranks) > 1 else None
     channels: dict[str, Channel] = {}
@@ -266,7 +279,7 @@ def build_groups(
                 channels[name] = Channel(name, ranks, replica.leader, group, scatter and data, pool, data, data_group)
     for group, leader in warm:
         dist.broadcast(torch.zeros(1, device=device), src=leader, group=group)
-    assert control is not None and mine is not None
+    assert mine is not None
     return Groups(control, leaders, channels, mine, count)
 
 
@@ -307,6 +320,29 @@ def agree(group: dist.ProcessGroup, kind: Kind, message: str) -> tuple[Kind, str
     dist.broadcast(buf, src=origin, group=group)
     code, _, text = decode_message(buf).partition(":")
     return Kind(int(code)), text, origin
+
+
+def agreed(group: dist.ProcessGroup, fn: Callable[[], T], error: Callable[[int, str], Exception]) -> T:
+    """Run one construction phase, ``fn``, on every member, then agree on how it went.
+
+    When ``fn`` raised on any member, every member raises ``error(rank, text)`` for the first
+    failing rank and its exception's text (that rank chains its own exception), so a check that
+    fails on some ranks only ends construction everywhere instead of leaving the others in the
+    next collective. One small all-reduce; one broadcast more on a failure.
+
+    Example (every rank)::
+
+        source = agreed(control, build_source, lambda rank, text: LeaderError(f"rank {rank}: {text}"))
+    """
+    kind, message, cause, result = Kind.DATA, "", None, None
+    try:
+        result = fn()
+    except Exception as e:  # raised on every rank below
+        kind, message, cause = Kind.SOURCE_ERROR, f"{type(e).__name__}: {e}", e
+    kind, message, origin = agree(group, kind, message)
+    if kind != Kind.DATA:
+        raise error(origin, message) from (cause if origin == dist.get_rank() else None)
+    return result  # type: ignore[return-value]
 
 
 def gather_strings(group: dist.ProcessGroup, text: str) -> list[str]:

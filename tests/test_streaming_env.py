@@ -101,8 +101,8 @@ def test_remove_stale_keeps_mapped_blocks_and_removes_the_rest(tmp_path):
 
 
 def barriers_while_constructing(timeout_s: float) -> None:
-    """Rank 0 is inside ``leaders_world`` (as while streaming's constructor runs); one of its
-    threads, and rank 1, meanwhile take barriers on another group of the same ranks.
+    """Both ranks are inside ``leaders_world`` (as while streaming's constructor runs); one of
+    rank 0's threads, and rank 1, meanwhile take barriers on another group of the same ranks.
 
     Only rank 0's group-less calls from the constructing thread may go to the leaders' group:
     anything else redirected there leaves the other group's barrier waiting until its timeout.
@@ -110,10 +110,11 @@ def barriers_while_constructing(timeout_s: float) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     leaders = dist.new_group([0, 1], backend="gloo", timeout=timeout)
     other = dist.new_group([0, 1], backend="gloo", timeout=timeout)
-    if dist.get_rank() == 1:  # not constructing: plain barriers, in rank 0's order
+    if dist.get_rank() == 1:  # the other leader, constructing on one thread only
         dist.barrier(group=other)  # meets rank 0's other thread
-        dist.barrier(group=leaders)  # meets rank 0's group-less call (streaming's)
-        dist.barrier(group=other)  # meets rank 0's explicit-group call
+        with leaders_world({}, leaders):
+            dist.barrier()  # meets rank 0's group-less call (streaming's)
+            dist.barrier(group=other)  # meets rank 0's explicit-group call
         return
     errors: list[BaseException] = []
 
