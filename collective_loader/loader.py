@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import hashlib
 import math
 import warnings
 import weakref
@@ -32,7 +33,7 @@ from collective_loader.layout import MeshLayout
 from collective_loader.prefetch import Prefetcher
 from collective_loader.routing import Routing
 from collective_loader.sharding import Layout
-from collective_loader.transport import Transport, agreed, build_groups, control_group, gather_strings, mesh_device
+from collective_loader.transport import Transport, agreed, build_groups, control_group, first_difference, mesh_device
 from collective_loader.watchdog import StallWatch
 from collective_loader.wire import Kind
 from collective_loader.workers import stop_workers
@@ -192,23 +193,18 @@ class CollectiveLoader:
 
     # --- construction checks -----------------------------------------------------------------
 
-    def _config(self) -> str:
-        r = self.routing
-        return (
-            f"mesh=[{self.mesh_layout.describe()}] ranks={list(self.mesh_layout.ranks)} inputs={list(r.inputs)} "
-            f"labels={list(r.labels)} every_stage={list(r.every_stage)} seq_dims={dict(sorted(r.seq_dims.items()))} layout={r.layout} "
-            f"delivery={self.delivery} transport={self.transport} prefetch={self.prefetch} timeout={self.timeout} "
-            f"max_batch_bytes={self.max_batch_bytes}"
-        )
-
     def _check_same_config(self) -> None:
-        configs = gather_strings(self._groups.control, self._config())
-        differ = [rank for rank, c in enumerate(configs) if c != configs[0]]
-        if differ:
-            first = differ[0]
+        reference = self.mesh_layout.leaders()[0]
+        text = config_text(
+            self.mesh_layout, self.routing, self.delivery, self.transport, self.prefetch, self.timeout,
+            self.max_batch_bytes,
+        )
+        found = first_difference(self._groups, reference, text)
+        if found is not None:
+            rank, theirs_ref, theirs = found
             raise ConfigMismatchError(
-                f"ranks {differ} built CollectiveLoader with other arguments than rank 0.\n"
-                f"  rank 0:    {configs[0]}\n  rank {first}: {configs[first]}"
+                f"rank {rank} built CollectiveLoader with other arguments than rank {reference} (the lowest such rank "
+                f"is named; others may differ too).\n  rank {reference}: {theirs_ref}\n  rank {rank}: {theirs}"
             )
 
     @staticmethod
@@ -342,6 +338,28 @@ class CollectiveLoader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def config_text(
+    mesh_layout: MeshLayout, routing: Routing, delivery: str, transport: str, prefetch: int, timeout: float,
+    max_batch_bytes: int,
+) -> str:
+    """What every rank's loader must agree on, as one line; compared by digest
+    (:func:`~collective_loader.transport.first_difference`), shown whole on a mismatch.
+
+    >>> layout = MeshLayout.build(("dp", "tp"), (2, 2), range(4))
+    >>> config_text(layout, Routing(("x",), ("y",), {}, "zigzag"), "broadcast", "host", 2, 60.0, 1024)[:47]
+    'mesh=[dp=2(data) tp=2(replicate)] ranks_sha256='
+    """
+    # the rank order as a fingerprint: a 16k-rank list would be most of the text
+    ranks = hashlib.sha256(str(list(mesh_layout.ranks)).encode()).hexdigest()[:16]
+    r = routing
+    return (
+        f"mesh=[{mesh_layout.describe()}] ranks_sha256={ranks} inputs={list(r.inputs)} labels={list(r.labels)} "
+        f"every_stage={list(r.every_stage)} seq_dims={dict(sorted(r.seq_dims.items()))} layout={r.layout} "
+        f"delivery={delivery} transport={transport} prefetch={prefetch} timeout={timeout} "
+        f"max_batch_bytes={max_batch_bytes}"
+    )
 
 
 _LIVE: "weakref.WeakSet[CollectiveLoader]" = weakref.WeakSet()

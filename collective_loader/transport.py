@@ -21,6 +21,7 @@ Two transports (see :mod:`collective_loader.protocol`):
 from __future__ import annotations
 
 import datetime
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
@@ -345,9 +346,36 @@ def agreed(group: dist.ProcessGroup, fn: Callable[[], T], error: Callable[[int, 
     return result  # type: ignore[return-value]
 
 
-def gather_strings(group: dist.ProcessGroup, text: str) -> list[str]:
-    """Every member's ``text`` (truncated to a fixed size), in group rank order."""
-    mine = encode_message(text)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    return [decode_message(b) for b in out]
+def digest(text: str) -> torch.Tensor:
+    """A fixed-size fingerprint of ``text`` (SHA-256, as 4 int64 words): equal texts, equal digests.
+
+    >>> bool(torch.equal(digest("a"), digest("a"))), bool(torch.equal(digest("a"), digest("b")))
+    (True, False)
+    """
+    return torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.int64).clone()
+
+
+def first_difference(groups: Groups, reference: int, text: str) -> tuple[int, str, str] | None:
+    """Whether every rank has the same ``text``; every member of ``groups`` calls it.
+
+    Checked hierarchically by digest: each replica's leader sends its digest to its replica,
+    the ``reference`` leader sends its digest to the other leaders, and one agreement over the
+    control group says whether anyone differed. The bytes per rank do not grow with the world and
+    no part of a text is cut off. Only on a mismatch do texts travel: returns ``(lowest
+    differing rank, reference's text, that rank's text)``, or ``None`` when all are the same.
+    """
+    mine = digest(text)
+    leaders = groups.replica.leader
+    theirs = mine.clone()
+    dist.broadcast(theirs, src=leaders, group=groups.replica.group)
+    differs = not torch.equal(theirs, mine)
+    if groups.leaders is not None:  # this rank leads a replica, and there are several
+        theirs = mine.clone()
+        dist.broadcast(theirs, src=reference, group=groups.leaders)
+        differs = differs or not torch.equal(theirs, mine)
+    kind, other, origin = agree(groups.control, Kind.SOURCE_ERROR if differs else Kind.DATA, text)
+    if kind == Kind.DATA:
+        return None
+    ref = encode_message(text) if dist.get_rank() == reference else torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+    dist.broadcast(ref, src=reference, group=groups.control)
+    return origin, decode_message(ref), other

@@ -10,6 +10,7 @@ import itertools
 import random
 
 import numpy as np
+import torch
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -334,3 +335,23 @@ def test_16k_gpu_mesh_groups():
         assert g.last == tuple(sorted([lead] + [(15 * 128 + d) * 8 + j for j in range(8)]))
         assert g.middle == tuple(sorted([lead] + [(p * 128 + d) * 8 + j for p in range(1, 15) for j in range(8)]))
     assert layout.leaders() == tuple(d * 8 for d in range(128))
+
+
+def test_the_configuration_digest_sees_the_last_field_on_a_16k_rank_layout():
+    """The configuration check compares digests of the whole text, whatever the world size; the
+    4 KiB messages it once gathered cut off every field after the rank list past ~800 ranks."""
+    from collective_loader.loader import config_text
+    from collective_loader.routing import Routing
+    from collective_loader.transport import digest
+
+    dims, shape = ("pp", "dp", "cp", "tp"), (16, 128, 2, 4)
+    layout = MeshLayout.build(dims, shape, range(16 * 128 * 2 * 4))
+    routing = Routing(("input_ids",), ("labels",), {"input_ids": 1, "labels": 1}, "zigzag", (("cp", 2),))
+    base = config_text(layout, routing, "broadcast", "host", 16, 600.0, 1 << 32)
+    last_field = config_text(layout, routing, "broadcast", "host", 16, 600.0, (1 << 32) - 1)
+    swapped = MeshLayout.build(dims, shape, [*range(16 * 128 * 2 * 4 - 2), 16383, 16382])  # last two ranks swapped
+    other_ranks = config_text(swapped, routing, "broadcast", "host", 16, 600.0, 1 << 32)
+    assert len(base) < 1024  # short enough to be shown whole on a mismatch
+    assert not torch.equal(digest(base), digest(last_field))
+    assert not torch.equal(digest(base), digest(other_ranks))
+    assert torch.equal(digest(base), digest(config_text(layout, routing, "broadcast", "host", 16, 600.0, 1 << 32)))
