@@ -35,7 +35,6 @@ import dataclasses
 import datetime
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -356,28 +355,11 @@ def rank_main(job: Job) -> int:
     return int(failed)
 
 
-def _alone_main(job: Job, backend: str, init_file: str) -> None:
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=0, world_size=1)
-    try:
-        code = rank_main(job)
-    finally:
-        dist.destroy_process_group()
-    sys.exit(code)
-
-
 def run_alone(job: Job) -> int:
-    """A world of one rank in a spawned process, with a default group that has a CUDA backend
-    (``launch.run`` makes gloo-only worlds, and the device transport on a GPU needs NCCL)."""
+    """A world of one rank whose default group has a CUDA backend on a GPU (the device
+    transport's NCCL groups need one; NCCL allows one rank per GPU)."""
     backend = "cpu:gloo,cuda:nccl" if job.settings.device == "cuda" else "gloo"
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        proc = mp.get_context("spawn").Process(target=_alone_main, args=(job, backend, os.path.join(tmp, "init")))
-        proc.start()
-        proc.join(ALONE_TIMEOUT)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-            return 124
-        return abs(proc.exitcode or 0)
+    return launch.run(rank_main, job, 1, timeout=ALONE_TIMEOUT, backend=backend)
 
 
 # --- the parent: worlds, verdicts, report ---------------------------------------------------

@@ -30,8 +30,9 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def init_rank(rank: int, size: int, init_file: str) -> None:
-    """Make this process rank ``rank`` of a gloo world of ``size`` on this machine.
+def init_rank(rank: int, size: int, init_file: str, backend: str = "gloo") -> None:
+    """Make this process rank ``rank`` of a world of ``size`` on this machine (gloo, or e.g.
+    ``"cpu:gloo,cuda:nccl"`` for a one-rank world on a GPU: NCCL allows one rank per GPU).
 
     Sets the environment torchrun would (libraries such as streaming read it to find their rank)
     and rendezvous through ``init_file``, so no port has to be found free. One torch thread per
@@ -42,7 +43,7 @@ def init_rank(rank: int, size: int, init_file: str) -> None:
         MASTER_ADDR="127.0.0.1",
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size)
 
 
 def spawn_ranks(target: Callable[..., None], size: int, *args: Any) -> tuple[list[BaseProcess], str]:
@@ -87,20 +88,21 @@ def _call(fn: Callable[[Any], int], args: Any) -> NoReturn:
     sys.exit(code)
 
 
-def _rank_main(rank: int, size: int, init_file: str, fn: Callable[[Any], int], args: Any) -> None:
-    init_rank(rank, size, init_file)
+def _rank_main(rank: int, size: int, init_file: str, fn: Callable[[Any], int], args: Any, backend: str) -> None:
+    init_rank(rank, size, init_file, backend)
     _call(fn, args)
 
 
-def run(fn: Callable[[Any], int], args: Any, world_size: int, timeout: float) -> int:
-    """Run ``fn(args)`` on every rank; return the worst exit code. Kills the world on timeout.
+def run(fn: Callable[[Any], int], args: Any, world_size: int, timeout: float, backend: str = "gloo") -> int:
+    """Run ``fn(args)`` on every rank of a world of ``backend``; return the worst exit code.
+    Kills the world on timeout.
 
     Under torchrun this process is one rank: it runs ``fn`` and exits with its code.
     """
     if under_torchrun():
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
         _call(fn, args)
-    procs, tmp = spawn_ranks(_rank_main, world_size, fn, args)
+    procs, tmp = spawn_ranks(_rank_main, world_size, fn, args, backend)
     try:
         deadline = time.monotonic() + timeout
         for p in procs:
