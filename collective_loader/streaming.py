@@ -378,9 +378,12 @@ def remove_stale(shm_dir: str = "/dev/shm", tmp: str | None = None) -> list[str]
     a warning.
     """
     tmp = tmp or tempfile.gettempdir()
+    # listed before /proc is read: a block created meanwhile is mapped by a process the scan may
+    # have passed already, so it is no candidate
+    blocks = _own_entries(shm_dir, r"\d{6}_\w+")
     mappings = _mapped_shared_memory()
     removed = []
-    for name, st in _own_entries(shm_dir, r"\d{6}_\w+"):
+    for name, st in blocks:
         if not mappings.may_map(name, st) and _remove(os.path.join(shm_dir, name)):
             removed.append(name)
     for name, _ in _own_entries(tmp, r"\d{6}_\w+_filelock"):

@@ -219,3 +219,40 @@ def test_remove_stale_as_another_user_keeps_what_is_not_its_own():
             if os.path.exists(path):
                 os.remove(path)
         shutil.rmtree(tmp)
+
+
+def test_remove_stale_leaves_a_block_created_while_it_scans(monkeypatch, tmp_path):
+    """A job that starts while /proc is being read maps its new block after the scan has passed
+    its process: the block must not be judged by that scan."""
+    from collective_loader import streaming
+
+    scan = streaming._mapped_shared_memory
+
+    def scan_while_a_job_starts():
+        mappings = scan()
+        # the new job's block (0600, as streaming's), created after its process was read
+        os.close(os.open("/dev/shm/999984_locals", os.O_CREAT | os.O_WRONLY, 0o600))
+        return mappings
+
+    monkeypatch.setattr(streaming, "_mapped_shared_memory", scan_while_a_job_starts)
+    try:
+        assert "999984_locals" not in streaming.remove_stale(tmp=str(tmp_path))
+        assert os.path.exists("/dev/shm/999984_locals")
+    finally:
+        if os.path.exists("/dev/shm/999984_locals"):
+            os.remove("/dev/shm/999984_locals")
+
+
+@pytest.mark.parametrize(
+    "theirs, ours",
+    [
+        ((1000, 0b01), True),  # our user, no capability we lack: a non-dumpable process of ours
+        ((1000, 0b11), False),  # our user with a capability we lack: a daemon we did not start
+        ((0, 0b01), False),  # another user (root): cannot open our 0600 blocks without privilege
+        (None, True),  # credentials unknown: may be anyone
+    ],
+)
+def test_a_process_we_cannot_inspect_counts_as_ours_only_when_it_may_be(theirs, ours):
+    from collective_loader.streaming import _may_be_ours
+
+    assert _may_be_ours(theirs, (1000, 0b01)) is ours
