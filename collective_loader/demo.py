@@ -6,7 +6,8 @@ Rank 0 then prints every rank's role and first batch, samples per replica, the c
 bytes moved, and the verdict of the invariant checks (:mod:`collective_loader.invariants`).
 Last, it runs the seed issue's naive set-up on the same mesh and data (every rank builds its own
 StreamingDataset with ``replication = tp * cp``) and prints, side by side, the share of steps
-whose last-stage labels do not belong to the first stage's inputs. Exit code 1 if a check fails.
+whose last-stage labels do not belong to the first stage's inputs. Exit code 1 if a check fails,
+2 (one line on stderr, before any rank starts) if ``--mesh`` cannot run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import gc
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -27,8 +29,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
-from collective_loader import invariants, launch
-from collective_loader.layout import MeshLayout, group_count
+from collective_loader import invariants, launch, sharding
+from collective_loader.layout import DEFAULT_ROLES, MeshLayout, group_count
 from collective_loader.loader import CollectiveLoader
 from collective_loader.routing import Routing
 from collective_loader.streaming import StreamingSource, lm_collate, release
@@ -158,10 +160,32 @@ def label_mismatch(stage_of: dict[int, str], dp_of: dict[int, int], ids: dict[in
     return bad, total
 
 
+def dataset_ids(path: str) -> list[int]:
+    """The ``id`` of every sample of the MDS dataset at ``path``: the set one epoch must cover.
+
+    Read from the dataset itself, not from what the leaders delivered, which would make a lost
+    or foreign sample part of its own yardstick. Plain file reads (no shared memory, no ranks).
+    """
+    from streaming import LocalDataset
+
+    dataset = LocalDataset(path)
+    return [int(dataset[i]["id"]) for i in range(len(dataset))]
+
+
+def verdicts(
+    records: list[invariants.RankRecord], routing: Routing, seq_len: int, dataset: list[int]
+) -> list[invariants.Verdict]:
+    """Checks (a)-(e) over one epoch, with ``dataset`` (the dataset's own sample ids) as the set
+    the replicas must cover exactly once: a leader that skips, repeats or invents a sample fails
+    (d)."""
+    return invariants.check(records, routing, lambda ids: expected(ids, seq_len), dataset)
+
+
 def report(
     a: DemoArgs, layout: MeshLayout, routing: Routing, dp_size: int, ours: list[Any], naive: list[list[list[int]]]
 ) -> int:
-    print(f"\ncollective_loader demo: mesh [{layout.describe()}], {a.samples} samples in {a.data}, "
+    dataset = dataset_ids(a.data)
+    print(f"\ncollective_loader demo: mesh [{layout.describe()}], {len(dataset)} samples in {a.data}, "
           f"per-replica batch {a.batch_size} x seq {a.seq_len}, layout={a.layout}, delivery={a.delivery}, "
           f"num_workers={a.num_workers}")
     print(f"{dp_size} replicas, {group_count(dp_size, layout.pp_size)} process groups per loader\n")
@@ -183,12 +207,9 @@ def report(
     print(f"\n{steps} steps; samples per replica: {per_replica}; leaders sent {sent / 2**20:.2f} MiB in "
           f"{collectives} collectives ({collectives / max(steps, 1) / dp_size:.1f} per leader per step); "
           f"slowest rank {max(o[4] for o in ours):.2f}s")
-    epoch_ids = [i for rec in records if rec.rank == layout.place(rec.rank).leader for b in rec.steps for i in b["sample_id"].tolist()]
-    verdicts = invariants.check(records, routing, lambda ids: expected(ids, a.seq_len), epoch_ids)
-    if len(epoch_ids) != a.samples - a.samples % (a.batch_size * dp_size):
-        verdicts.append(invariants.Verdict("every sample of the dataset delivered", False, f"{len(epoch_ids)} of {a.samples}"))
+    checks = verdicts(records, routing, a.seq_len, dataset)
     print("\nverdict:")
-    for v in verdicts:
+    for v in checks:
         print(f"  [{'ok' if v.ok else 'FAIL'}] {v.name}" + (f": {v.detail}" if v.detail else ""))
     stage_of = {rec.rank: ("first" if rec.stage == "both" else rec.stage) for rec in records}
     dp_of = {rec.rank: rec.dp_rank for rec in records}
@@ -207,7 +228,7 @@ def report(
     print(f"  collective_loader:                                  "
           f"{100 * ours_bad / max(ours_total, 1):5.1f}% ({ours_bad} of {ours_total} last-stage rank-steps; "
           f"{steps} steps per epoch)")
-    ok = all(v.ok for v in verdicts) and ours_bad == 0
+    ok = all(v.ok for v in checks) and ours_bad == 0
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
 
@@ -221,13 +242,43 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
         pairs = [item.split("=") for item in text.split(",")]
         return tuple(n.strip() for n, _ in pairs), tuple(int(s) for _, s in pairs)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got {text!r}") from None
+        raise ValueError(f"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got {text!r}") from None
+
+
+def check_mesh(text: str, seq_len: int, layout: str, world_size: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The dims and sizes of ``--mesh text``, or a ValueError saying what to change.
+
+    Checked here, before any rank starts, so a bad flag is one message rather than the same
+    traceback from every rank (or a torchrun world waiting for ranks that never come).
+    ``world_size``: the ranks torchrun started (None when the demo starts its own world).
+    """
+    dims, shape = parse_mesh(text)
+    unknown = [n for n in dims if n not in DEFAULT_ROLES]
+    if unknown:
+        raise ValueError(f"--mesh {text}: dim {unknown[0]!r} is not one of {', '.join(DEFAULT_ROLES)}")
+    try:
+        roles = MeshLayout.build(dims, shape, range(math.prod(shape))).roles
+    except ValueError as e:
+        raise ValueError(f"--mesh {text}: {e}") from None
+    if world_size is not None and math.prod(shape) != world_size:
+        raise ValueError(
+            f"--mesh {text}: the mesh has {math.prod(shape)} ranks, the world {world_size}; give sizes whose product "
+            "is the number of ranks torchrun starts"
+        )
+    shard = [(n, size) for n, size, role in zip(dims, shape, roles) if role == "shard"]
+    need = sharding.divisor([(size, 0) for _, size in shard], layout)
+    if seq_len % need:
+        over = " x ".join(f"{n}={size}" for n, size in shard)
+        raise ValueError(
+            f"--mesh {text}: --seq-len {seq_len} cannot be split over {over} by the {layout} layout; "
+            f"use a multiple of {need}"
+        )
+    return dims, shape
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m collective_loader demo", description=__doc__.split("\n")[0])
-    p.add_argument("--mesh", type=parse_mesh, default=parse_mesh("pp=2,dp=2,tp=2"),
-                   help="dims in mesh order, outermost first (default pp=2,dp=2,tp=2)")
+    p.add_argument("--mesh", default="pp=2,dp=2,tp=2", help="dims in mesh order, outermost first (default pp=2,dp=2,tp=2)")
     p.add_argument("--data", help="an MDS dataset with columns tokens and id (default: write one to a temp dir)")
     p.add_argument("--samples", type=int, default=256, help="samples to write when --data is not given")
     p.add_argument("--batch-size", type=int, default=4, help="per-replica batch size")
@@ -237,9 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per leader")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the local world is stopped")
     ns = p.parse_args(argv)
-    dims, shape = ns.mesh
+    torchrun = launch.under_torchrun()
+    try:
+        dims, shape = check_mesh(ns.mesh, ns.seq_len, ns.layout, int(os.environ["WORLD_SIZE"]) if torchrun else None)
+    except ValueError as e:
+        if not torchrun or os.environ["RANK"] == "0":  # one line, not one per rank
+            print(f"{p.prog}: {e}", file=sys.stderr)
+        return 2
     a = DemoArgs(dims, shape, ns.data or "", ns.samples, ns.batch_size, ns.seq_len, ns.layout, ns.delivery, ns.num_workers)
-    if ns.data or launch.under_torchrun():  # under torchrun the ranks write the dataset themselves
+    if ns.data or torchrun:  # under torchrun the ranks write the dataset themselves
         return launch.run(rank_main, a, math.prod(shape), ns.timeout)
     out = tempfile.mkdtemp(prefix="collective_loader_demo_")
     try:

@@ -1,10 +1,20 @@
-"""The main job runs end to end: its own local world, and under torchrun."""
+"""The main job runs end to end: its own local world, and under torchrun; its verdict fails on a
+wrong epoch; a bad --mesh is refused before any rank starts."""
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import subprocess
 import sys
+
+import pytest
+
+from collective_loader import invariants
+from collective_loader.demo import INPUTS, LABELS, SEQ_DIMS, expected, verdicts
+from collective_loader.layout import MeshLayout
+from collective_loader.routing import Routing
 
 
 def _run(cmd: list[str]) -> str:
@@ -35,6 +45,79 @@ def test_demo_under_torchrun():
     assert "all checks passed" in out
 
 
-def test_demo_rejects_a_bad_mesh_flag():
-    proc = subprocess.run([sys.executable, "-m", "collective_loader", "demo", "--mesh", "pp2"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--mesh wants name=size pairs" in proc.stderr
+# --- the verdict: coverage against the dataset's own ids ---------------------------------------
+
+SEQ = 8
+
+
+def _records(plans: dict[int, list[list[int]]], shape=(2, 2, 2)) -> tuple[list[invariants.RankRecord], Routing]:
+    """What every rank of a pp x dp x cp mesh gets when replica d's leader yields ``plans[d]``
+    (a list of per-step sample ids); computed without processes."""
+    layout = MeshLayout.build(("pp", "dp", "cp"), shape, range(math.prod(shape)))
+    routing = Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", (("cp", shape[2]),))
+    records = []
+    for rank in layout.ranks:
+        place = layout.place(rank)
+        steps = [routing.piece(routing.select(expected(ids, SEQ), place.stage), place.shard) for ids in plans[place.dp_rank]]
+        records.append(invariants.RankRecord(rank, place.dp_rank, place.stage, place.shard, steps))
+    return records, routing
+
+
+def _failed(plans: dict[int, list[list[int]]], dataset: list[int]) -> dict[str, str]:
+    records, routing = _records(plans)
+    return {v.name[:3]: v.detail for v in verdicts(records, routing, SEQ, dataset) if not v.ok}
+
+
+def _epoch(n_samples: int) -> dict[int, list[list[int]]]:
+    """A correct epoch over ``n_samples`` at dp=2, batch 2: replica d gets d, d+2, ...; with 18
+    samples the last step holds one sample per replica."""
+    return {d: [list(range(d, n_samples, 2))[i : i + 2] for i in range(0, n_samples // 2, 2)] for d in (0, 1)}
+
+
+@pytest.mark.parametrize("n_samples", [16, 18])
+def test_verdict_passes_on_an_epoch_that_covers_the_dataset(n_samples):
+    assert _failed(_epoch(n_samples), list(range(n_samples))) == {}
+
+
+@pytest.mark.parametrize("n_samples", [16, 18])
+@pytest.mark.parametrize(
+    "step2, why",
+    [
+        ([10], "skips sample 8"),
+        ([8, 8], "delivers 8 again instead of 10"),
+        ([8, 9], "delivers 9, replica 1's, instead of 10"),
+        ([8, 99], "delivers 99, not in the dataset, instead of 10"),
+    ],
+)
+def test_verdict_fails_when_a_leader_skips_or_duplicates_a_sample(n_samples, step2, why):
+    plans = _epoch(n_samples)
+    assert plans[0][2] == [8, 10]
+    plans[0][2] = step2  # every rank of replica 0 gets what its leader yielded
+    failed = _failed(plans, list(range(n_samples)))
+    assert set(failed) == {"(d)"}, (why, failed)
+
+
+# --- a bad --mesh: one line, exit code 2, no rank started ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mesh, env, message",
+    [
+        ("foo=2", {}, r"--mesh foo=2: dim 'foo' is not one of"),
+        ("pp2", {}, r"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got 'pp2'"),
+        ("dp=2,dp=2", {}, r"--mesh dp=2,dp=2: mesh dim names must be unique"),
+        ("dp=0", {}, r"--mesh dp=0: mesh dims must have size >= 1"),
+        ("cp=3", {}, r"--mesh cp=3: --seq-len 64 cannot be split over cp=3 by the zigzag layout; use a multiple of 6"),
+        # under torchrun (its environment, one process): the mesh must match the world it started
+        ("pp=2,dp=2,tp=2", {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+         r"--mesh pp=2,dp=2,tp=2: the mesh has 8 ranks, the world 4"),
+    ],
+)
+def test_demo_refuses_a_bad_mesh_in_one_line_before_any_rank_starts(mesh, env, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "collective_loader", "demo", "--mesh", mesh], capture_output=True, text=True,
+        timeout=60, env={**os.environ, **env},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert re.search(message, proc.stderr), proc.stderr
