@@ -8,6 +8,9 @@ with ``labels.numel()``. So :class:`TitanDataLoader` delivers every key to every
 one int64 per token and key, small next to a stage's activations. Context parallelism is the
 trainer's job too (``prepare_context_parallel_input``), so sequences arrive whole on cp ranks.
 
+For TorchTitan's own Trainer, chosen on the command line (``--module collective_loader.titan_configs``),
+see :mod:`collective_loader.titan_configs`; this module does not import torchtitan.
+
 Its state is in TorchTitan's per-DP-rank form, ``{"dp_rank_<i>": ..., "world_size": dp_size}``.
 The entry is one opaque leaf, as in TorchTitan, because ``torch.distributed.checkpoint`` (DCP)
 loads into the structure that a fresh ``state_dict()`` returns. A nested entry there would be

@@ -200,3 +200,10 @@ def __getattr__(name: str) -> Callable[[], TitanTrainer.Config]:
         return with_collective_loader(stock())
 
     return config
+
+
+def __dir__() -> list[str]:
+    # TorchTitan lists dir(module) when --config names no function here
+    from torchtitan.models.llama3 import config_registry
+
+    return sorted({*globals(), *(name for name in dir(config_registry) if name.startswith("llama3"))})

@@ -48,6 +48,7 @@ def test_the_dataloader_config_names_what_to_change():
         with_collective_loader(TitanStreamingDataLoader.Config())
     with pytest.raises(AttributeError):
         titan_configs.llama3_no_such_config  # noqa: B018  --config names must be llama3 config functions
+    assert "llama3_8b" in dir(titan_configs)  # what TorchTitan lists when --config names none of them
 
 
 class Epochs:
