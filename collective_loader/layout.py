@@ -10,8 +10,10 @@ Vocabulary (see the README's role table):
 * a *shard* dim gets one slice of every sequence key; several shard dims compose in mesh order
   (the outermost splits first).
 
-The *leader* of a replica is its rank with coordinate 0 on every non-data dim; it is the only rank
-that loads data. Per replica there are up to three delivery groups, each a sorted tuple of global
+The *leader* of a replica is its rank with coordinate 0 on every non-data dim (with
+``placement="spread"``, the pipeline coordinate ``dp_rank * pp // dp`` instead, so consecutive
+replicas' leaders sit on the same stage and the replicas' leaders cover every stage); it is the
+only rank that loads data. Per replica there are up to three delivery groups, each a sorted tuple of global
 ranks that contains the leader:
 
 * ``first``: the leader and every rank of the first pipeline stage (with one stage: the replica);
@@ -29,6 +31,10 @@ from typing import Any, Literal, Mapping, Sequence
 
 Role = Literal["data", "pipeline", "replicate", "shard"]
 ROLES: tuple[Role, ...] = ("data", "pipeline", "replicate", "shard")
+# where each replica's leader sits: on the first pipeline stage, or spread over the stages in
+# blocks of consecutive dp_ranks (so the loading spreads over the stages' nodes)
+Placement = Literal["first_stage", "spread"]
+PLACEMENTS: tuple[Placement, ...] = ("first_stage", "spread")
 
 DEFAULT_ROLES: dict[str, Role] = {
     "dp": "data",
@@ -123,6 +129,7 @@ class MeshLayout:
     shape: tuple[int, ...]
     roles: tuple[Role, ...]
     ranks: tuple[int, ...]
+    placement: Placement = "first_stage"
 
     @classmethod
     def build(
@@ -131,11 +138,15 @@ class MeshLayout:
         shape: Sequence[int],
         ranks: Sequence[int],
         roles: Mapping[str, str] | None = None,
+        placement: str = "first_stage",
     ) -> "MeshLayout":
         """Check the mesh description and assign a role to every dim.
 
-        ``roles`` overrides the defaults of :data:`DEFAULT_ROLES` for any dim name.
+        ``roles`` overrides the defaults of :data:`DEFAULT_ROLES` for any dim name;
+        ``placement`` says where the leaders sit (:data:`Placement`).
         """
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         dim_names = tuple(dim_names)
         shape = tuple(int(s) for s in shape)
         ranks = tuple(int(r) for r in ranks)
@@ -166,14 +177,16 @@ class MeshLayout:
         if resolved.count("pipeline") > 1:
             pipes = [n for n, r in zip(dim_names, resolved) if r == "pipeline"]
             raise ValueError(f"at most one pipeline dim is supported, got {pipes}")
-        return cls(dim_names, shape, tuple(resolved), ranks)
+        return cls(dim_names, shape, tuple(resolved), ranks, placement)  # type: ignore[arg-type]
 
     @classmethod
-    def from_mesh(cls, mesh: Any, roles: Mapping[str, str] | None = None) -> "MeshLayout":
+    def from_mesh(
+        cls, mesh: Any, roles: Mapping[str, str] | None = None, placement: str = "first_stage"
+    ) -> "MeshLayout":
         """The layout of a ``torch.distributed.device_mesh.DeviceMesh`` (needs named dims)."""
         if mesh.mesh_dim_names is None:
             raise ValueError("the DeviceMesh needs named dims (mesh_dim_names=...)")
-        return cls.build(mesh.mesh_dim_names, tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist(), roles)
+        return cls.build(mesh.mesh_dim_names, tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist(), roles, placement)
 
     # --- coordinates -------------------------------------------------------------------------
 
@@ -219,8 +232,11 @@ class MeshLayout:
     def place(self, rank: int) -> Place:
         """The place of ``rank``: replica, leader, stage and shard coordinates."""
         coords = self.coords(rank)
-        leader = self.rank_at([c if r == "data" else 0 for c, r in zip(coords, self.roles)])
         pipe = self._dims("pipeline")
+        at = [c if r == "data" else 0 for c, r in zip(coords, self.roles)]
+        if self.placement == "spread" and pipe:
+            at[pipe[0]] = self._dp_rank(coords) * self.pp_size // self.dp_size
+        leader = self.rank_at(at)
         return Place(
             rank=rank,
             coords=coords,
@@ -253,7 +269,7 @@ class MeshLayout:
                 dp_rank=dp,
                 leader=leaders[dp],
                 ranks=tuple(sorted(members["first"] | members["last"] | members["middle"])),
-                first=tuple(sorted(members["first"])),
+                first=tuple(sorted(members["first"] | {leaders[dp]})),
                 last=tuple(sorted(members["last"] | {leaders[dp]})) if pp > 1 else None,
                 middle=tuple(sorted(members["middle"] | {leaders[dp]})) if pp > 2 else None,
             )
@@ -288,11 +304,11 @@ def group_count(dp: int, pp: int, transport: str = "host", middle_data: bool = F
     return 1 + (dp > 1) + dp * (1 + destinations + data_groups)
 
 
-def mesh_place(mesh: Any, rank: int, roles: Mapping[str, str] | None = None) -> Place:
+def mesh_place(mesh: Any, rank: int, roles: Mapping[str, str] | None = None, placement: str = "first_stage") -> Place:
     """Where ``rank`` sits in ``mesh``: its dp_rank, dp_size, leader and stage.
 
     Handy for a source that must know its replica before the loader exists, e.g.
     ``place = mesh_place(mesh, dist.get_rank())`` then ``DistributedSampler(ds, place.dp_size,
     place.dp_rank)``.
     """
-    return MeshLayout.from_mesh(mesh, roles).place(rank)
+    return MeshLayout.from_mesh(mesh, roles, placement).place(rank)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from collective_loader import protocol, wire
 from collective_loader.device import hand_over
 from collective_loader.errors import ConfigMismatchError, ConstructionError, DeliveryError, LeaderError
-from collective_loader.layout import MeshLayout
+from collective_loader.layout import MeshLayout, Placement
 from collective_loader.prefetch import Prefetcher
 from collective_loader.routing import Routing
 from collective_loader.sharding import Layout
@@ -59,6 +59,9 @@ class CollectiveLoader:
         layout: ``"zigzag"`` or ``"contiguous"``: how a sequence is split over a shard dim.
         roles: ``{dim_name: "data" | "pipeline" | "replicate" | "shard"}`` overriding the
             defaults (see :data:`collective_loader.layout.DEFAULT_ROLES`).
+        placement: where each replica's leader sits: ``"first_stage"`` (default) or ``"spread"``
+            (over the pipeline stages, so loading spreads over their nodes; see
+            :class:`~collective_loader.layout.MeshLayout`). Give a ``StreamingSource`` the same.
         delivery: ``"broadcast"`` (one collective, receivers slice their shard) or
             ``"scatter"`` (each rank receives only its bytes).
         transport: ``"host"`` (default): everything moves over gloo groups on the transfer
@@ -95,6 +98,7 @@ class CollectiveLoader:
         seq_dims: Mapping[str, int] | None = None,
         layout: Layout = "zigzag",
         roles: Mapping[str, str] | None = None,
+        placement: Placement = "first_stage",
         delivery: Delivery = "broadcast",
         transport: Transport = "host",
         prefetch: int | None = None,
@@ -109,8 +113,8 @@ class CollectiveLoader:
         agreed(
             control,
             lambda: self._configure(
-                mesh, inputs, labels, every_stage, seq_dims, layout, roles, delivery, transport, prefetch, timeout,
-                max_batch_bytes,
+                mesh, inputs, labels, every_stage, seq_dims, layout, roles, placement, delivery, transport, prefetch,
+                timeout, max_batch_bytes,
             ),
             lambda rank, text: ConstructionError(f"rank {rank} could not build CollectiveLoader: {text}"),
         )
@@ -135,15 +139,15 @@ class CollectiveLoader:
 
     def _configure(
         self, mesh: Any, inputs: tuple[str, ...], labels: tuple[str, ...], every_stage: tuple[str, ...],
-        seq_dims: Mapping[str, int] | None, layout: Layout, roles: Mapping[str, str] | None, delivery: Delivery,
-        transport: Transport, prefetch: int | None, timeout: float, max_batch_bytes: int,
+        seq_dims: Mapping[str, int] | None, layout: Layout, roles: Mapping[str, str] | None, placement: Placement,
+        delivery: Delivery, transport: Transport, prefetch: int | None, timeout: float, max_batch_bytes: int,
     ) -> None:
         """Check the arguments and derive this rank's settings (local: no collective)."""
         if delivery not in ("broadcast", "scatter"):
             raise ValueError(f"delivery must be 'broadcast' or 'scatter', got {delivery!r}")
         if transport not in ("host", "device"):
             raise ValueError(f"transport must be 'host' or 'device', got {transport!r}")
-        self.mesh_layout = MeshLayout.from_mesh(mesh, roles)
+        self.mesh_layout = MeshLayout.from_mesh(mesh, roles, placement)
         world = dist.get_world_size()
         if sorted(self.mesh_layout.ranks) != list(range(world)):
             raise ValueError(f"the mesh must hold every rank of the world (size {world}); it holds {sorted(self.mesh_layout.ranks)}")
@@ -355,7 +359,7 @@ def config_text(
     ranks = hashlib.sha256(str(list(mesh_layout.ranks)).encode()).hexdigest()[:16]
     r = routing
     return (
-        f"mesh=[{mesh_layout.describe()}] ranks_sha256={ranks} inputs={list(r.inputs)} labels={list(r.labels)} "
+        f"mesh=[{mesh_layout.describe()}] ranks_sha256={ranks} placement={mesh_layout.placement} inputs={list(r.inputs)} labels={list(r.labels)} "
         f"every_stage={list(r.every_stage)} seq_dims={dict(sorted(r.seq_dims.items()))} layout={r.layout} "
         f"delivery={delivery} transport={transport} prefetch={prefetch} timeout={timeout} "
         f"max_batch_bytes={max_batch_bytes}"

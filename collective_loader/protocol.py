@@ -183,8 +183,9 @@ class LeaderStep(_Step):
         """The leader's own batch of a delivered step; with the device transport, on the device,
         with the tensor bytes the training thread will send (:func:`post`)."""
         item = Item(Kind.DATA, step, source_state=state)
+        own = "first" if self.place.stage == "both" else self.place.stage  # the leader's stage group
         if not self._split:
-            return self._on_device(item, packed["first"][2])
+            return self._on_device(item, packed[own][2] if own in packed else {})
         channels = self.loader._groups.channels
         # every distinct message's payload once (scatter peers that share a shard share a message)
         unique = {id(m): _payload(m, h) for message, h, _ in packed.values() for m in _as_list(message)}
@@ -193,12 +194,15 @@ class LeaderStep(_Step):
             start = wire.data_start(header.meta_nbytes)
             data = [on_device[id(m)][start:] for m in _as_list(message)]
             item.sends.append((channels[name], data if channels[name].scattered else data[0]))
-        # the leader's own batch: views into its device copy of the first stage's message
-        first = channels["first"]
-        message, header, _ = packed["first"]
-        mine = _as_list(message)[first.ranks.index(self.place.rank) if first.scattered else 0]
+        # the leader's own batch: views into its device copy of its stage's message
+        if own not in packed:  # a middle stage that gets no data
+            item.batch = {}
+            return item
+        channel = channels[own]
+        message, header, _ = packed[own]
+        mine = _as_list(message)[channel.ranks.index(self.place.rank) if channel.scattered else 0]
         batch = wire.unpack(on_device[id(mine)], header.meta_nbytes, meta=_payload(mine, header))
-        item.batch = batch if first.scattered else self.loader.routing.piece(batch, self.place.shard)
+        item.batch = batch if channel.scattered else self.loader.routing.piece(batch, self.place.shard)
         return item
 
     def _pack(self, channel: Channel, step: int, batch: Mapping[str, Any]) -> tuple[Any, Header, Batch]:

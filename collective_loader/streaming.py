@@ -215,6 +215,7 @@ class StreamingSource:
         collate: samples -> batch; :func:`lm_collate` by default.
         num_workers: DataLoader worker processes per leader.
         roles: dim roles, as for ``CollectiveLoader``.
+        placement: where the leaders sit, as for ``CollectiveLoader`` (give both the same).
         clean_stale: first remove the shared memory and lock files killed runs left on this
             node (:func:`remove_stale`); blocks that a live process maps are kept.
         timeout: seconds the leaders wait for each other while building.
@@ -232,6 +233,7 @@ class StreamingSource:
         collate: Callable[[Sequence[Sample]], Mapping[str, Any]] = lm_collate,
         num_workers: int = 0,
         roles: Mapping[str, str] | None = None,
+        placement: str = "first_stage",
         clean_stale: bool = False,
         timeout: float = 600.0,
         dataloader_kwargs: Mapping[str, Any] | None = None,
@@ -239,7 +241,7 @@ class StreamingSource:
     ) -> None:
         if "batch_size" in (dataloader_kwargs or {}) or "replication" in dataset_kwargs:
             raise ValueError("give batch_size once, to StreamingSource; replication is what this class replaces")
-        layout = MeshLayout.from_mesh(mesh, roles)
+        layout = MeshLayout.from_mesh(mesh, roles, placement)
         self.place = layout.place(dist.get_rank())
         leaders = layout.leaders()
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))

@@ -101,3 +101,22 @@ def test_every_stage_keys_reach_middle_stages_12(worlds, transport, delivery):
     middle = [r for r in records if r["stage"] == "middle"]
     assert len(middle) == 4
     assert all(set(b) == {"cu_seqlens"} for r in middle for b in r["epochs"][0])
+
+
+SPREAD = [
+    ("host", *MESHES_8[0], ()), ("host", *MESHES_8[1], ()), ("host", *MESHES_12[0], ()),
+    ("host", ("pp", "dp", "cp"), (3, 2, 2), ("cu_seqlens",)), ("device", ("pp", "dp", "cp"), (3, 2, 2), ("cu_seqlens",)),
+]
+
+
+@pytest.mark.parametrize("delivery", ["broadcast", "scatter"])
+@pytest.mark.parametrize(
+    "transport_,dims,shape,every_stage", SPREAD,
+    ids=["pp2-dp2-tp2", "torchtitan", "pp3-dp2-tp2", "pp3-dp2-cp2-every-stage", "device-pp3-dp2-cp2-every-stage"],
+)
+def test_leaders_spread_over_the_stages(worlds, transport_, dims, shape, every_stage, delivery):
+    """placement="spread": the second replica's leader sits on a later stage (the last one, or a
+    middle one with three stages) and still delivers every role its data."""
+    records = _run(worlds, transport_, dims, shape, "zigzag", delivery, placement="spread", every_stage=every_stage)
+    stages = {r["dp_rank"]: r["stage"] for r in records if r["is_leader"]}
+    assert stages[0] == "first" and stages[1] != "first", stages
