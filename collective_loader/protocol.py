@@ -147,7 +147,8 @@ class LeaderStep(_Step):
             try:
                 kind, message, origin = transport.agree(groups.leaders, kind, message)
             except RuntimeError as e:
-                text = self._failure(f"lost contact with the other leaders before step {step}", e)
+                others = [r for r in loader.mesh_layout.leaders() if r != place.rank]
+                text = self._failure(f"lost contact with the other leaders (ranks {others}) before step {step}", e)
                 self._warn_replica(step, text, sent=())
                 raise DeliveryError(text) from e
         if kind == Kind.DATA:
