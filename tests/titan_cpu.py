@@ -4,7 +4,8 @@ Run as a script under torchrun, it makes the process-wide adjustments below and 
 ``torchtitan.train.main()`` unchanged::
 
     torchrun --nproc-per-node 4 tests/titan_cpu.py --module titan_trainer_configs --config ours \\
-        --dataloader.dataset_path /tmp/mds --parallelism.pipeline_parallel_degree 2
+        --dataloader.dataset_path /tmp/mds --dataloader.record /tmp/run/rec --dump_folder /tmp/run \\
+        --parallelism.pipeline_parallel_degree 2
 
 The config-level adjustments are :func:`cpu_config`, which the test configs apply. Every one is
 needed only because there is no accelerator (or no tokenizer file) here; none is needed on GPUs:
@@ -66,7 +67,6 @@ def patch_process() -> None:
     import torchtitan.tools.utils as utils
 
     utils.device_type, utils.device_module = "cpu", CpuDevice()
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  the "fake" backend of size-1 mesh dims
     import torchtitan.distributed.fsdp as fsdp
 
     fully_shard = fsdp.fully_shard

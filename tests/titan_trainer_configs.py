@@ -72,8 +72,10 @@ class Recorded(TitanStreamingDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(TitanStreamingDataLoader.Config):
         record: str = ""
+        """Path prefix of the records: ``<record>.rank<r>.jsonl`` and ``<record>.opens``."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
+        assert config.record, "set --dataloader.record to the path prefix of the records"
         watch_opens(config.dataset_path, f"{config.record}.opens")
         self.record = f"{config.record}.rank{os.environ['RANK']}.jsonl"
         super().__init__(config, **kwargs)
