@@ -2,6 +2,7 @@
 
     python bench/loading.py            # about 5 minutes: bench/results/loading.{json,md}
     python bench/loading.py --quick    # about 2 minutes: bench/results/loading_quick.* (git-ignored)
+    python bench/loading.py --placement  # per-node loading CPU of both leader placements, pp outermost
 
 An 8-rank gloo world on the mesh ``(dp, pp, tp) = (2, 2, 2)``: two replicas, model-parallel size 4
 (pp x tp). One epoch of a real ``StreamingDataset`` over MDS shards of text written here, with a
@@ -188,6 +189,65 @@ def rank_main(args: tuple[Settings, str]) -> int:
     return 0
 
 
+# --- leader placement: where the loading lands -------------------------------------------------
+
+PLACEMENT_MESH = (("pp", "dp", "tp"), (2, 2, 2))  # pp outermost, as TorchTitan orders its mesh
+NODE_SIZE = 4  # ranks per node of the two-node job this stands for: node = rank // NODE_SIZE
+
+
+def placement_main(args: tuple[Settings, str]) -> int:
+    """One epoch through CollectiveLoader with leaders placed by ``placement``; per-rank CPU."""
+    s, placement = args
+    import streaming  # noqa: F401  (its import is part of the baseline, not of the data path)
+
+    mesh = init_device_mesh("cpu", PLACEMENT_MESH[1], mesh_dim_names=PLACEMENT_MESH[0])
+    gc.collect()
+    dist.barrier()
+    cpu0 = cpu_seconds()
+    source = StreamingSource(mesh, local=s.data, batch_size=s.batch_size, collate=Collate(s.seq_len), shuffle=False,
+                             placement=placement)
+    loader = CollectiveLoader(source, mesh, inputs=("input_ids", "position_ids", "sample_id"),
+                              labels=("labels", "sample_id"), placement=placement)
+    steps = sum(1 for _ in loader)
+    loader.close()
+    record = {"rank": dist.get_rank(), "cpu": cpu_seconds() - cpu0, "leader": loader.is_leader, "steps": steps}
+    records: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    if dist.get_rank() == 0:
+        with open(s.out, "a") as f:
+            f.write(json.dumps({"placement": placement, "ranks": records}) + "\n")
+    return 0
+
+
+def placement_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    names, shape = PLACEMENT_MESH
+    lines = [
+        "# Leader placement: loading CPU per node (gloo, this machine)",
+        "",
+        f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; `{meta['command']}` ran {meta['seconds']:.0f} s; "
+        f"load average {meta['load_before']} before, {meta['load_after']} after.",
+        "",
+        f"Mesh {dict(zip(names, shape))}, pp outermost: 8 ranks standing for two nodes of {NODE_SIZE} (node = rank // "
+        f"{NODE_SIZE}; one host, so only the CPU split is measured, not the network). One epoch of "
+        f"{meta['settings']['samples']} samples through `StreamingSource` + `CollectiveLoader` with each `placement`; "
+        "CPU seconds (user + system) the data path added per rank, summed per node; medians over "
+        f"{meta['settings']['rounds']} round(s).",
+        "",
+        "| placement | leaders (global ranks) | CPU s node 0 | CPU s node 1 | busier / other node | total CPU s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for placement in ("first_stage", "spread"):
+        mine = [r for r in runs if r["placement"] == placement]
+        nodes = [[sum(x["cpu"] for x in r["ranks"] if x["rank"] // NODE_SIZE == n) for r in mine] for n in (0, 1)]
+        med = [statistics.median(n) for n in nodes]
+        leaders = sorted(x["rank"] for x in mine[0]["ranks"] if x["leader"])
+        lines.append(
+            f"| {placement} | {leaders} | {med[0]:.1f} | {med[1]:.1f} | {max(med) / max(min(med), 1e-9):.2f} | "
+            f"{sum(med):.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 # --- report -------------------------------------------------------------------------------------
 
 
@@ -278,18 +338,20 @@ def markdown(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small dataset, one round")
+    parser.add_argument("--placement", action="store_true", help="per-node loading CPU of both leader placements")
     args = parser.parse_args(argv)
-    name = "loading_quick" if args.quick else "loading"
+    name = ("loading_placement" if args.placement else "loading") + ("_quick" if args.quick else "")
     load_before, start = os.getloadavg(), time.time()
     tmp = tempfile.mkdtemp(prefix="cl_loading_")
     try:
         s = dataclasses.replace(QUICK if args.quick else FULL, data=os.path.join(tmp, "mds"),
                                 out=os.path.join(tmp, "runs.jsonl"))
         write_dataset(s.data, s)
+        variants, entry = (("first_stage", "spread"), placement_main) if args.placement else (VARIANTS, rank_main)
         for r in range(s.rounds):
-            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+            order = variants if r % 2 == 0 else variants[::-1]
             for variant in order:
-                code = launch.run(rank_main, (s, variant), 8, timeout=1200)
+                code = launch.run(entry, (s, variant), 8, timeout=1200)
                 if code:
                     print(f"{variant} world failed with exit code {code}", file=sys.stderr)
                     return code
@@ -306,10 +368,10 @@ def main(argv: list[str] | None = None) -> int:
             "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
             "settings": dataclasses.asdict(s) | {"data": None, "out": None},
         },
-        "runs": [{**r, "ranks": [{k: v for k, v in x.items() if k != "ids"} | {"ids_n": len(x["ids"])}
+        "runs": [{**r, "ranks": [{k: v for k, v in x.items() if k != "ids"} | {"ids_n": len(x.get("ids", ()))}
                                  for x in r["ranks"]]} for r in runs],
     }
-    text = markdown({"meta": results["meta"], "runs": runs})
+    text = placement_markdown(results["meta"], runs) if args.placement else markdown({"meta": results["meta"], "runs": runs})
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(results, f)
