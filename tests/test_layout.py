@@ -355,3 +355,24 @@ def test_the_configuration_digest_sees_the_last_field_on_a_16k_rank_layout():
     assert not torch.equal(digest(base), digest(last_field))
     assert not torch.equal(digest(base), digest(other_ranks))
     assert torch.equal(digest(base), digest(config_text(layout, routing, "broadcast", "host", 16, 600.0, 1 << 32)))
+
+
+def test_the_benchmark_tables_are_well_formed():
+    """Every markdown table in bench/results has as many cells in each row as in its header
+    (bench/delivery.py once wrote a separator of 10 cells under 9 headers)."""
+    import pathlib
+
+    results = pathlib.Path(__file__).resolve().parent.parent / "bench" / "results"
+    bad = []
+    for path in sorted(results.glob("*.md")):
+        header = None
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.startswith("|"):
+                header = None
+                continue
+            cells = line.strip().count("|") - 1
+            if header is None:
+                header = cells
+            elif cells != header:
+                bad.append(f"{path.name}:{number}: {cells} cells under a header of {header}")
+    assert results.is_dir() and not bad, bad
