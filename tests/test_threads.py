@@ -22,7 +22,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys, threading
+    import json, os, sys, threading
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from collective_loader import CollectiveLoader
@@ -57,25 +57,29 @@ SCRIPT = textwrap.dedent(
             i for i, b in enumerate(got)
             if any(not torch.equal(v, batches[i][k]) or v.device.type != "cpu" for k, v in b.items())
         ]
-        print("RESULT " + json.dumps({
-            "rank": rank, "transport": transport, "default_backend": default_backend,
-            "steps": len(got), "wrong": wrong, "keys": sorted(got[0]) if got else [], "calls": calls,
-        }), flush=True)
+        # one file per rank: four ranks' long lines on one pipe can interleave
+        with open(os.path.join(sys.argv[1], f"{rank}-{transport}.json"), "w") as f:
+            json.dump({
+                "rank": rank, "transport": transport, "default_backend": default_backend,
+                "steps": len(got), "wrong": wrong, "keys": sorted(got[0]) if got else [], "calls": calls,
+            }, f)
     dist.destroy_process_group()
     """
 )
 
 
 def _records(tmp_path) -> list[dict]:
-    script = tmp_path / "train.py"
+    script, results = tmp_path / "train.py", tmp_path / "results"
     script.write_text(SCRIPT)
+    results.mkdir()
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script),
+         str(results)],
         capture_output=True, text=True, timeout=240,
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    records = [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines() if "RESULT " in line]
-    assert len(records) == 8, out.stdout[-4000:]
+    records = [json.loads(path.read_text()) for path in sorted(results.glob("*.json"))]
+    assert len(records) == 8, sorted(p.name for p in results.iterdir())
     return records
 
 
