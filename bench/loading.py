@@ -181,11 +181,16 @@ def rank_main(args: tuple[Settings, str]) -> int:
         "rank": dist.get_rank(), "cpu": cpu_seconds() - cpu0, "cpu_total": cpu_seconds(),
         "rss_start": rss0, "peak_rss": peak_rss_bytes(), "wall": time.perf_counter() - wall0, "ids": ids,
     }
+    return save_run(s, {"variant": variant}, record)
+
+
+def save_run(s: Settings, run: dict[str, Any], record: dict[str, Any]) -> int:
+    """Every rank's ``record``, gathered; rank 0 appends them to ``s.out`` as one run."""
     records: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(records, record)
     if dist.get_rank() == 0:
         with open(s.out, "a") as f:
-            f.write(json.dumps({"variant": variant, "ranks": records}) + "\n")
+            f.write(json.dumps({**run, "ranks": records}) + "\n")
     return 0
 
 
@@ -211,12 +216,7 @@ def placement_main(args: tuple[Settings, str]) -> int:
     steps = sum(1 for _ in loader)
     loader.close()
     record = {"rank": dist.get_rank(), "cpu": cpu_seconds() - cpu0, "leader": loader.is_leader, "steps": steps}
-    records: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(records, record)
-    if dist.get_rank() == 0:
-        with open(s.out, "a") as f:
-            f.write(json.dumps({"placement": placement, "ranks": records}) + "\n")
-    return 0
+    return save_run(s, {"placement": placement}, record)
 
 
 def placement_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
