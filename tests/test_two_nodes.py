@@ -76,23 +76,17 @@ def assert_nodes_clean(cluster: nodes.Cluster) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * JOB_TIMEOUT)
-def test_leaders_on_both_nodes(tmp_path: Path, data: str) -> None:
+@pytest.mark.parametrize(
+    "mesh,leader_nodes_wanted", [("dp=2,pp=2,tp=2", 2), ("pp=2,dp=2,tp=2", 1)], ids=["both_nodes", "one_node"]
+)
+def test_leader_placements_over_nodes(tmp_path: Path, data: str, mesh: str, leader_nodes_wanted: int) -> None:
+    """The two leaders on both nodes (data dims outermost), or both on one node (pp outermost)."""
     with nodes.Cluster(tmp_path, nproc=4) as cluster:
-        result, job = run_demo(cluster, data, "dp=2,pp=2,tp=2")
-        print(f"dp=2,pp=2,tp=2 over 2 x 4 ranks: {result.seconds:.1f}s")
+        result, job = run_demo(cluster, data, mesh)
+        print(f"{mesh} over 2 x 4 ranks: {result.seconds:.1f}s")
         assert_demo_passed(result, 8)
-        assert sorted(leader_nodes("dp=2,pp=2,tp=2", job.where())) == [0, 1], result.describe()
-        assert_nodes_clean(cluster)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(2 * JOB_TIMEOUT)
-def test_all_leaders_on_one_node(tmp_path: Path, data: str) -> None:
-    with nodes.Cluster(tmp_path, nproc=4) as cluster:
-        result, job = run_demo(cluster, data, "pp=2,dp=2,tp=2")
-        print(f"pp=2,dp=2,tp=2 over 2 x 4 ranks: {result.seconds:.1f}s")
-        assert_demo_passed(result, 8)
-        assert len(set(leader_nodes("pp=2,dp=2,tp=2", job.where()))) == 1, result.describe()
+        placed = leader_nodes(mesh, job.where())
+        assert len(placed) == 2 and len(set(placed)) == leader_nodes_wanted, result.describe()
         assert_nodes_clean(cluster)
 
 
