@@ -63,11 +63,12 @@ def tokens(sample_id: int, seq_len: int) -> np.ndarray:
     return ((sample_id * 7919 + np.arange(seq_len + 1) * 31) % VOCAB).astype(np.int32)
 
 
-def write_dataset(out: str, samples: int, seq_len: int) -> None:
-    """A tokenized MDS dataset: columns ``tokens`` (int32, seq_len + 1) and ``id``."""
+def write_dataset(out: str, samples: int, seq_len: int, shard_bytes: int = 1 << 16) -> None:
+    """A tokenized MDS dataset: columns ``tokens`` (int32, seq_len + 1) and ``id``; ``out`` is a
+    directory or a remote (``s3://bucket/path``) that streaming's writer uploads to."""
     from streaming import MDSWriter
 
-    with MDSWriter(out=out, columns={"tokens": "ndarray:int32", "id": "int"}, size_limit=1 << 16) as writer:
+    with MDSWriter(out=out, columns={"tokens": "ndarray:int32", "id": "int"}, size_limit=shard_bytes) as writer:
         for i in range(samples):
             writer.write({"tokens": tokens(i, seq_len), "id": i})
 

@@ -265,14 +265,14 @@ class StreamingSource:
         """Build the dataset and DataLoader (leaders only; ``CollectiveLoader`` calls this)."""
         if not self.place.is_leader:
             raise RuntimeError(f"rank {self.place.rank} is not a leader; only leaders build the dataset")
-        from streaming import StreamingDataset
+        from collective_loader.streaming_dataset import DownloadFailureRaisingDataset
 
         with leaders_world(self._env, self._group):
             if self._clean_stale:
                 if self.place.dp_rank % int(self._env["LOCAL_WORLD_SIZE"]) == 0:  # the node's first leader
                     remove_stale()
                 dist.barrier()  # the leaders' barrier: nobody looks for blocks while they are removed
-            dataset = StreamingDataset(batch_size=self.batch_size, **self._dataset_kwargs)
+            dataset = DownloadFailureRaisingDataset(batch_size=self.batch_size, **self._dataset_kwargs)
         loader = DataLoader(
             dataset, batch_size=self.batch_size, num_workers=self._num_workers, collate_fn=self._collate,
             **self._dataloader_kwargs,

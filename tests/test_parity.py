@@ -40,8 +40,17 @@ def _assert_parity(lines, want_runs) -> None:
             assert float(gap) > 0.1, (case, schedule, gap)  # labels of other samples: the loss stays high
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600)
 def test_training_matches_single_process_and_naive_diverges():
+    """The default run: one case (pipeline and DTensor tensor parallelism together); the others
+    are in the slow variants."""
+    _assert_parity(_run(["--case", "pp2-dp2-tp2", "--schedule", "1F1B"], timeout=600), [("pp2-dp2-tp2", "1F1B")])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_example_s_default_cases():
+    """What ``python examples/pipeline_parity.py`` runs: one schedule for each case."""
     want = [("pp2-dp2", "GPipe"), ("pp2-dp2-tp2", "1F1B"), ("pp4-interleaved", "Interleaved1F1B")]
     _assert_parity(_run([], timeout=900), want)
 
