@@ -7,7 +7,8 @@ thin WSGI layer that
 - records every request: which client sent it (a process names itself with the environment
   variable ``AWS_SDK_UA_APP_ID``, which botocore appends to its User-Agent as ``app/<id>``), the
   method, the object key, the status and the bytes of the response body;
-- adds ``latency`` seconds before answering each object GET (a slow or throttled store);
+- adds ``latency`` seconds before answering each GET of an object whose key matches ``slow_keys``
+  (a slow or throttled store);
 - answers with ``Connection: close``, so that :meth:`S3Endpoint.stop` leaves no kept-alive
   connection being served: after it, every new request is refused, as by a store that went away
   (``ThreadedMotoServer.stop`` keeps its listening socket open, so requests would queue instead).
@@ -25,6 +26,7 @@ Objects live in moto's in-process backend, so they survive :meth:`~S3Endpoint.st
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ class Request:
     key: str  # the object's key; "" for a request on the bucket (a listing, its creation)
     status: int
     bytes: int  # bytes of the response body
+    time: float  # time.time() when the answer was complete
 
 
 def client_of(user_agent: str) -> str:
@@ -65,12 +68,15 @@ class S3Endpoint:
 
     Args:
         port: 0 for a free one; :attr:`port` holds the one in use, kept across restarts.
-        latency: seconds added before each object GET is answered; may be changed at any time.
+        latency: seconds added before answering a GET of an object whose key matches
+            ``slow_keys`` (a regular expression, searched; every key by default). Both may be
+            changed at any time.
     """
 
-    def __init__(self, port: int = 0, latency: float = 0.0) -> None:
+    def __init__(self, port: int = 0, latency: float = 0.0, slow_keys: str = "") -> None:
         self.port = port
         self.latency = latency
+        self.slow_keys = slow_keys
         self._requests: list[Request] = []
         self._lock = threading.Lock()
         self._server: Any = None
@@ -167,7 +173,7 @@ class S3Endpoint:
         def observed(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterator[bytes]:
             method = environ["REQUEST_METHOD"]
             bucket, _, key = environ.get("PATH_INFO", "/").lstrip("/").partition("/")
-            if method == "GET" and key and self.latency > 0:
+            if method == "GET" and key and self.latency > 0 and re.search(self.slow_keys, key):
                 time.sleep(self.latency)
             status = [0]
 
@@ -186,7 +192,8 @@ class S3Endpoint:
                 close = getattr(body, "close", None)
                 if close is not None:
                     close()
-                request = Request(client_of(environ.get("HTTP_USER_AGENT", "")), method, bucket, key, status[0], sent)
+                client = client_of(environ.get("HTTP_USER_AGENT", ""))
+                request = Request(client, method, bucket, key, status[0], sent, time.time())
                 with self._lock:
                     self._requests.append(request)
 

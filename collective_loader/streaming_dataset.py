@@ -1,13 +1,13 @@
 """``StreamingDataset``, except that a failed shard download ends its iteration with the error.
 
-Streaming (0.13) downloads shards on a background thread of each process that iterates the
+Streaming (0.13) downloads shards on background threads of each process that iterates the
 dataset. When a download fails for good (the object store went away, a shard was deleted, the
 retries ran out), the thread's exception goes to a future's done-callback, which logs it and
 sets an event; the sample loop then *stops*: the epoch ends early, with no exception, in the
-iterating process. Under ``CollectiveLoader`` that would be a short epoch that every rank takes
-for a clean one. This subclass keeps the first such exception and raises it where the parent's
-iteration stopped, so the leader's source raises and every rank gets ``LeaderError`` with
-streaming's own message (which names the shard).
+iterating process (seen: 16 of 64 batches). Under ``CollectiveLoader`` that would be a short
+epoch that every rank takes for a clean one. Here the first failure is kept, named by its shard
+(boto3's own message may not name it: "Max Retries Exceeded"), and raised where the parent's
+iteration stopped, so the leader's source raises and every rank gets ``LeaderError`` with it.
 
 Streaming also leaves the failed shard marked "being prepared" in the node's shared state, and
 its ready thread, stopping, marks the next sample ready anyway: the iterating thread then asks
@@ -20,14 +20,42 @@ loader's stall report ends the wait on every rank (after ``0.75 x timeout``).
 
 from __future__ import annotations
 
+import os
+import time
 from concurrent.futures import Future
 from typing import Any, Iterator
 
 from streaming import StreamingDataset
+from streaming.base.dataset import TICK, _ShardState
+
+
+class ShardDownloadError(RuntimeError):
+    """A shard could not be downloaded (or prepared) for this dataset."""
 
 
 class DownloadFailureRaisingDataset(StreamingDataset):
-    """``StreamingDataset`` whose iteration raises its background threads' first exception."""
+    """``StreamingDataset`` whose iteration raises its first failed shard download."""
+
+    def _raise_if_failed(self) -> None:
+        error = getattr(self, "_download_error", None)
+        if error is not None:
+            raise error
+
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        self._raise_if_failed()  # do not wait for a shard whose download failed here
+        if blocking:  # streaming's own wait (when another thread prepares it) would never end if that fails
+            while self._shard_states[shard_id] == _ShardState.PREPARING:
+                time.sleep(TICK)
+                self._raise_if_failed()
+        try:
+            super().prepare_shard(shard_id, blocking)
+        except Exception as e:
+            stream = self.streams[self.stream_per_shard[shard_id]]
+            name = self.shards[shard_id].file_pairs[0][0].basename
+            where = os.path.join(stream.remote or stream.local, stream.split or "", name)
+            last = getattr(e, "last_exception", None)  # boto3's RetriesExceededError: what the retries met
+            why = f"{type(e).__name__}: {e}" + (f" (the last attempt: {type(last).__name__}: {last})" if last else "")
+            raise ShardDownloadError(f"could not download shard {where}: {why}") from e
 
     def on_exception(self, future: Future) -> None:
         error = None if future.cancelled() else future.exception()
@@ -35,14 +63,7 @@ class DownloadFailureRaisingDataset(StreamingDataset):
             self._download_error = error
         super().on_exception(future)  # streaming's own handling: sets its event, logs the error
 
-    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
-        error = getattr(self, "_download_error", None)
-        if error is not None:  # do not wait for a shard whose download failed here
-            raise error
-        super().prepare_shard(shard_id, blocking)
-
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._download_error: BaseException | None = None
         yield from super().__iter__()
-        if self._download_error is not None:
-            raise self._download_error
+        self._raise_if_failed()
