@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from collective_loader.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 from world import World
+
+S3_BUCKET = "collective-loader-tests"
 
 
 class Worlds:
@@ -32,3 +35,15 @@ def worlds():
     w = Worlds()
     yield w
     w.close()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A local S3 endpoint with the bucket ``S3_BUCKET``; this process's boto3 (and streaming's
+    writer) point at it for the module only, and name themselves "test" to it."""
+    with S3Endpoint() as endpoint, pytest.MonkeyPatch.context() as mp:
+        for k, v in endpoint.client_env().items():
+            mp.setenv(k, v)
+        mp.setenv(APP_ID_VARIABLE, "test")
+        endpoint.create_bucket(S3_BUCKET)
+        yield endpoint

@@ -25,6 +25,7 @@ import pytest
 import torch.distributed as dist
 
 import ranks
+from conftest import S3_BUCKET
 from collective_loader import CollectiveLoader, LeaderError, invariants
 from collective_loader.demo import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
 from collective_loader.routing import Routing
@@ -33,27 +34,15 @@ from collective_loader.streaming import StreamingSource
 
 SAMPLES, SEQ, BATCH = 128, 16, 4
 SHARD_BYTES = 1 << 11  # about 20 samples a shard: 7 shards
-BUCKET = "collective-loader-tests"
 REPLICAS = ("pp", "dp"), (2, 2)  # two replicas, leaders ranks 0 and 1
 ONE_REPLICA = ("pp", "tp"), (2, 2)  # one leader, rank 0
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """The endpoint, with this process's boto3 pointed at it for the module only."""
-    with S3Endpoint() as endpoint, pytest.MonkeyPatch.context() as mp:
-        for k, v in endpoint.client_env().items():
-            mp.setenv(k, v)
-        mp.setenv(APP_ID_VARIABLE, "test")
-        endpoint.create_bucket(BUCKET)
-        yield endpoint
 
 
 @pytest.fixture
 def remote(s3, request) -> str:
     """A fresh copy of the dataset in the bucket, under a prefix of this test's own."""
     prefix = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())
-    url = f"s3://{BUCKET}/{prefix}"
+    url = f"s3://{S3_BUCKET}/{prefix}"
     write_dataset(url, SAMPLES, SEQ, shard_bytes=SHARD_BYTES)
     return url
 
@@ -65,7 +54,7 @@ def world(worlds):
 
 def shards(s3: S3Endpoint, remote: str) -> list[str]:
     prefix = remote.split("/", 3)[3] + "/"
-    listing = s3.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]
+    listing = s3.client().list_objects_v2(Bucket=S3_BUCKET, Prefix=prefix)["Contents"]
     return sorted(o["Key"] for o in listing if o["Key"].endswith(".mds"))
 
 
@@ -217,7 +206,7 @@ def assert_failed_everywhere(results, *texts: str) -> None:
 
 def test_deleted_shard_fails_on_every_rank_after_its_retries(world, s3, remote, tmp_path):
     gone = shards(s3, remote)[3]
-    s3.client().delete_object(Bucket=BUCKET, Key=gone)
+    s3.client().delete_object(Bucket=S3_BUCKET, Key=gone)
     s3.clear()
     results = world.run(
         until_failure, s3.client_env(), remote, str(tmp_path / "cache"), *ONE_REPLICA, download_retry=2, timeout=120,
