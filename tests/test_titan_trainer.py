@@ -5,10 +5,10 @@ a CPU do, and ``tests/titan_trainer_configs.py``, which records what each rank g
 Every run starts from one seed checkpoint (TorchTitan's own ``--checkpoint.create_seed_checkpoint``)
 so that runs on different meshes start from the same weights; the dataset is written here with
 streaming's ``MDSWriter``. pp=2 x dp_shard=2 trains with the losses of pp=1 x dp_shard=2 on the
-same global batches, the seed's naive set-up does not, a restart from TorchTitan's own
+same global batches, the seed's naive set-up does not (slow), a restart from TorchTitan's own
 checkpoint continues with the same losses and samples, and only one process per replica opens
-the dataset. ``python -m pytest -m slow tests/test_titan_trainer.py`` adds tp, dp_replicate,
-pp x dp_shard x tp, the 1F1B and GPipe schedules, and 16-step runs. cp does not run on a CPU:
+the dataset. ``python -m pytest -m slow tests/test_titan_trainer.py`` adds the naive set-up, tp,
+dp_replicate, pp x dp_shard x tp, the 1F1B and GPipe schedules, and 16-step runs. cp does not run on a CPU:
 TorchTitan's CPU attention has no context-parallel path (see the README).
 """
 
@@ -215,6 +215,7 @@ def test_pipeline_parallel_trains_with_the_losses_of_pp1(reference, pipelined):
     assert steps[EPOCH_STEPS:] != steps[:STEPS - EPOCH_STEPS]  # the second epoch is another permutation
 
 
+@pytest.mark.slow  # 45 s; the seed's set-up is reproduced in the default run by test_streaming and the demo
 @pytest.mark.timeout(600)
 def test_the_seeds_naive_setup_trains_on_other_samples_labels(data, reference, pipelined):
     naive = train(data, "naive-pp2-dp2", pp=2, config="naive", flags=("--checkpoint.load_only",))
