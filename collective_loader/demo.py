@@ -8,12 +8,18 @@ Last, it runs the seed issue's naive set-up on the same mesh and data (every ran
 StreamingDataset with ``replication = tp * cp``) and prints, side by side, the share of steps
 whose last-stage labels do not belong to the first stage's inputs. Exit code 1 if a check fails,
 2 (one line on stderr, before any rank starts) if ``--mesh`` cannot run.
+
+``--remote`` starts a local S3 endpoint in this process (:mod:`collective_loader.s3_endpoint`),
+writes the dataset to it, and both runs stream from it, each into a cache directory of its own;
+after the world ends, this process prints the requests and bytes each rank fetched in each run,
+and fails the demo if a rank that leads no replica fetched anything in ours.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import math
 import os
 import shutil
@@ -33,6 +39,7 @@ from collective_loader import invariants, launch, sharding
 from collective_loader.layout import DEFAULT_ROLES, MeshLayout, group_count
 from collective_loader.loader import CollectiveLoader
 from collective_loader.routing import Routing
+from collective_loader.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 from collective_loader.streaming import StreamingSource, lm_collate, release
 
 INPUTS = ("input_ids", "position_ids", "sample_id")
@@ -40,6 +47,9 @@ LABELS = ("labels", "sample_id")
 SEQ_DIMS = {"input_ids": 1, "position_ids": 1, "labels": 1}
 VOCAB = 32000
 SHUFFLE_SEED = 1234
+BUCKET = "collective-loader-demo"
+RUNS = {"collective_loader": "rank", "naive": "naive-rank"}  # --remote: run -> prefix of its ranks' client names
+UPLOAD = "upload"  # --remote: this process's client name (the ranks name themselves before streaming)
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,7 @@ class DemoArgs:
     layout: str
     delivery: str
     num_workers: int
+    remote: str = ""  # --remote: the dataset's s3:// URL; ``data`` then holds the runs' cache dirs
 
 
 # --- the data ---------------------------------------------------------------------------------
@@ -71,6 +82,13 @@ def write_dataset(out: str, samples: int, seq_len: int, shard_bytes: int = 1 << 
     with MDSWriter(out=out, columns={"tokens": "ndarray:int32", "id": "int"}, size_limit=shard_bytes) as writer:
         for i in range(samples):
             writer.write({"tokens": tokens(i, seq_len), "id": i})
+
+
+def shard_bytes_for(samples: int, seq_len: int, shards: int = 8) -> int:
+    """A shard size that splits the demo's dataset into about ``shards`` shards (``--remote``: a
+    download per shard to watch), each big enough for one sample."""
+    per_sample = 4 * (seq_len + 1) + 64  # int32 tokens, the id and MDS's per-sample header, rounded up
+    return per_sample * max(1, math.ceil(samples / shards))
 
 
 def expected(ids: list[int], seq_len: int) -> dict[str, torch.Tensor]:
@@ -96,10 +114,13 @@ def rank_main(a: DemoArgs) -> int:
                 shutil.rmtree(out, ignore_errors=True)
     mesh = init_device_mesh("cpu", a.shape, mesh_dim_names=a.dims)
     me = dist.get_rank()
+    # the endpoint counts requests by this name; streaming's S3 client, made lazily per dataset
+    # (and in each DataLoader worker), reads it when it is created
+    os.environ[APP_ID_VARIABLE] = f"{RUNS['collective_loader']}{me}"
     start = time.perf_counter()
     source = StreamingSource(
-        mesh, local=a.data, batch_size=a.batch_size, shuffle=True, shuffle_seed=SHUFFLE_SEED,
-        num_workers=a.num_workers, clean_stale=True,
+        mesh, **stream_from(a, "collective_loader"), batch_size=a.batch_size, shuffle=True,
+        shuffle_seed=SHUFFLE_SEED, num_workers=a.num_workers, clean_stale=True,
     )
     loader = CollectiveLoader(
         source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, layout=a.layout, delivery=a.delivery
@@ -113,10 +134,11 @@ def rank_main(a: DemoArgs) -> int:
     stats = loader.stats()
     loader.close()
     place, layout, routing, dp_size = loader.place, loader.mesh_layout, loader.routing, loader.dp_size
-    del loader, source  # frees the leaders' dataset: the naive run below reuses its directory
+    del loader, source  # frees the leaders' dataset: on local data the naive run reuses its directory
     gc.collect()
     record = invariants.RankRecord(place.rank, place.dp_rank, place.stage, place.shard, steps)
     ours = (record, place.coords, place.is_leader, stats, seconds)
+    os.environ[APP_ID_VARIABLE] = f"{RUNS['naive']}{me}"
     naive = naive_ids(a, layout)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (ours, naive))  # the demo's own bookkeeping, not the data path
@@ -125,13 +147,22 @@ def rank_main(a: DemoArgs) -> int:
     return report(a, layout, routing, dp_size, [g[0] for g in gathered], [g[1] for g in gathered])
 
 
+def stream_from(a: DemoArgs, run: str) -> dict[str, str]:
+    """StreamingDataset's ``local`` (and ``remote``) for ``run``: with ``--remote``, a cache dir
+    of the run's own, so that the naive run downloads for itself rather than finding ours."""
+    if not a.remote:
+        return {"local": a.data}
+    return {"remote": a.remote, "local": os.path.join(a.data, run)}
+
+
 def naive_ids(a: DemoArgs, layout: MeshLayout) -> list[list[int]]:
     """The seed's set-up: every rank builds StreamingDataset with replication = tp * cp."""
     from streaming import StreamingDataset
 
     replication = math.prod(s for s, r in zip(layout.shape, layout.roles) if r in ("replicate", "shard"))
     dataset = StreamingDataset(
-        local=a.data, batch_size=a.batch_size, shuffle=True, shuffle_seed=SHUFFLE_SEED, replication=replication
+        **stream_from(a, "naive"), batch_size=a.batch_size, shuffle=True, shuffle_seed=SHUFFLE_SEED,
+        replication=replication,
     )
     ids = [b["sample_id"].tolist() for b in DataLoader(dataset, batch_size=a.batch_size, collate_fn=lm_collate)]
     dist.barrier()  # every rank of the node is done with the blocks before they go
@@ -185,8 +216,11 @@ def verdicts(
 def report(
     a: DemoArgs, layout: MeshLayout, routing: Routing, dp_size: int, ours: list[Any], naive: list[list[list[int]]]
 ) -> int:
-    dataset = dataset_ids(a.data)
-    print(f"\ncollective_loader demo: mesh [{layout.describe()}], {len(dataset)} samples in {a.data}, "
+    # --remote: the ids this demo wrote (sample i has id i); reading the leaders' cache back would
+    # hold the epoch to what they downloaded
+    dataset = list(range(a.samples)) if a.remote else dataset_ids(a.data)
+    where = f"{a.remote} (cached in {a.data})" if a.remote else a.data
+    print(f"\ncollective_loader demo: mesh [{layout.describe()}], {len(dataset)} samples in {where}, "
           f"per-replica batch {a.batch_size} x seq {a.seq_len}, layout={a.layout}, delivery={a.delivery}, "
           f"num_workers={a.num_workers}")
     print(f"{dp_size} replicas, {group_count(dp_size, layout.pp_size)} process groups per loader\n")
@@ -234,7 +268,53 @@ def report(
     return 0 if ok else 1
 
 
-# --- command line -----------------------------------------------------------------------------
+# --- --remote: the endpoint, in this process -----------------------------------------------------
+
+
+def run_remote(a: DemoArgs, timeout: float) -> int:
+    """Both runs of the demo streaming from a local S3 endpoint that this process serves; then the
+    requests and bytes each rank fetched. The ranks, spawned from here, inherit its address."""
+    cache = tempfile.mkdtemp(prefix="collective_loader_demo_cache_")
+    try:
+        with S3Endpoint() as s3:
+            os.environ.update(s3.client_env(), **{APP_ID_VARIABLE: UPLOAD})  # for the upload and for every rank
+            s3.create_bucket(BUCKET)
+            remote = f"s3://{BUCKET}/tokens"
+            write_dataset(remote, a.samples, a.seq_len, shard_bytes=shard_bytes_for(a.samples, a.seq_len))
+            code = launch.run(rank_main, replace(a, data=cache, remote=remote), math.prod(a.shape), timeout)
+            return max(code, fetch_report(s3, a, remote))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def fetched(s3: S3Endpoint, prefix: str, n: int) -> list[tuple[int, int]]:
+    """(requests, bytes) that each of ``n`` ranks, named ``<prefix><rank>``, fetched from ``s3``."""
+    requests, sent = s3.requests_by_client(), s3.bytes_by_client()
+    return [(requests.get(f"{prefix}{r}", 0), sent.get(f"{prefix}{r}", 0)) for r in range(n)]
+
+
+def fetch_report(s3: S3Endpoint, a: DemoArgs, remote: str) -> int:
+    """Print what each rank fetched from ``s3`` in both runs; 1 unless, in
+    ours, leaders fetched and no other rank did (nor any client other than the ranks and the upload)."""
+    n = math.prod(a.shape)
+    leaders = MeshLayout.build(a.dims, a.shape, range(n)).leaders()
+    runs = {run: fetched(s3, prefix, n) for run, prefix in RUNS.items()}
+    known = {UPLOAD} | {f"{p}{r}" for p in RUNS.values() for r in range(n)}
+    strangers = sorted(set(s3.requests_by_client()) - known)
+    print(f"\nfetched from the S3 endpoint {s3.url} ({remote}), per rank:")
+    print(f"{'rank':>4}  {'role':<7}" + "".join(f"  {run:<25}" for run in runs).rstrip())
+    for rank in range(n):
+        cells = "".join(f"  {k:>4} requests {b / 1024:>7.1f} KiB" for k, b in (c[rank] for c in runs.values()))
+        print(f"{rank:>4}  {'leader' if rank in leaders else '':<7}{cells}")
+    for run, counts in runs.items():
+        ranks = [r for r, (k, _) in enumerate(counts) if k]
+        print(f"  {run}: {len(ranks)} of {n} ranks fetched {ranks}: {sum(k for k, _ in counts)} requests, "
+              f"{sum(b for _, b in counts) / 1024:.1f} KiB")
+    ours = {r for r, (k, _) in enumerate(runs["collective_loader"]) if k}
+    ok = bool(ours) and ours <= set(leaders) and not strangers
+    print(f"  [{'ok' if ok else 'FAIL'}] in collective_loader's run only leaders {list(leaders)} fetched"
+          + (f"; requests from clients no rank named: {strangers}" if strangers else ""))
+    return 0 if ok else 1
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -277,6 +357,19 @@ def check_mesh(text: str, seq_len: int, layout: str, world_size: int | None) -> 
     return dims, shape
 
 
+def check_remote(data: str | None, torchrun: bool) -> None:
+    """A ValueError saying why ``--remote`` cannot run with these options or here."""
+    if torchrun:
+        raise ValueError(
+            "--remote serves its S3 endpoint from the demo process that starts the ranks, and under torchrun no "
+            "such process exists: run python -m collective_loader demo --remote"
+        )
+    if data:
+        raise ValueError("--remote uploads the demo's own dataset; leave out --data")
+    if importlib.util.find_spec("moto") is None:
+        raise ValueError("--remote needs moto's S3 server: pip install -e '.[s3]'")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m collective_loader demo", description=__doc__.split("\n")[0])
     p.add_argument("--mesh", default="pp=2,dp=2,tp=2", help="dims in mesh order, outermost first (default pp=2,dp=2,tp=2)")
@@ -288,15 +381,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delivery", choices=("broadcast", "scatter"), default="broadcast")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per leader")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the local world is stopped")
+    p.add_argument("--remote", action="store_true",
+                   help="serve the dataset from a local S3 endpoint (moto) and stream it from there; prints what each "
+                        "rank fetched")
     ns = p.parse_args(argv)
     torchrun = launch.under_torchrun()
     try:
         dims, shape = check_mesh(ns.mesh, ns.seq_len, ns.layout, int(os.environ["WORLD_SIZE"]) if torchrun else None)
+        if ns.remote:
+            check_remote(ns.data, torchrun)
     except ValueError as e:
         if not torchrun or os.environ["RANK"] == "0":  # one line, not one per rank
             print(f"{p.prog}: {e}", file=sys.stderr)
         return 2
     a = DemoArgs(dims, shape, ns.data or "", ns.samples, ns.batch_size, ns.seq_len, ns.layout, ns.delivery, ns.num_workers)
+    if ns.remote:
+        return run_remote(a, ns.timeout)
     if ns.data or torchrun:  # under torchrun the ranks write the dataset themselves
         return launch.run(rank_main, a, math.prod(shape), ns.timeout)
     out = tempfile.mkdtemp(prefix="collective_loader_demo_")

@@ -1,11 +1,13 @@
-"""The main job runs end to end: its own local world, and under torchrun; its verdict fails on a
-wrong epoch; a bad --mesh is refused before any rank starts."""
+"""The main job runs end to end: its own local world, and under torchrun; with --remote only the
+leaders fetch from the S3 endpoint; its verdict fails on a wrong epoch; a bad --mesh (or --remote
+where it cannot run) is refused before any rank starts."""
 
 from __future__ import annotations
 
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -43,6 +45,31 @@ def test_demo_under_torchrun():
         "-m", "collective_loader", "demo", "--mesh", "pp=2,dp=2", "--samples", "32",
     ])
     assert "all checks passed" in out
+
+
+FETCHED = re.compile(r"^ *(\d+)  (leader)? +(\d+) requests +([\d.]+) KiB +(\d+) requests +([\d.]+) KiB$", re.M)
+
+
+@pytest.mark.timeout(180)
+def test_demo_remote_only_leaders_fetch_from_the_endpoint():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "collective_loader", "demo", "--remote", "--mesh", "pp=2,dp=2", "--samples", "32"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=170)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the demo and every rank it started
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, out + err
+    assert "all checks passed" in out and "[ok] in collective_loader's run only leaders [0, 1] fetched" in out, out
+    rows = {int(m[0]): (m[1] == "leader", int(m[2]), float(m[3]), int(m[4])) for m in FETCHED.findall(out)}
+    assert sorted(rows) == [0, 1, 2, 3], out
+    assert {r for r, row in rows.items() if row[0]} == {0, 1}, out
+    assert all(requests == 0 and kib == 0 for leader, requests, kib, _ in rows.values() if not leader), out
+    assert sum(requests for leader, requests, _, _ in rows.values() if leader) > 0, out
+    assert sum(naive for *_, naive in rows.values()) > 0, out  # the naive run downloaded for itself
 
 
 # --- the verdict: coverage against the dataset's own ids ---------------------------------------
@@ -97,25 +124,31 @@ def test_verdict_fails_when_a_leader_skips_or_duplicates_a_sample(n_samples, ste
     assert set(failed) == {"(d)"}, (why, failed)
 
 
-# --- a bad --mesh: one line, exit code 2, no rank started ----------------------------------------
+# --- a bad --mesh, or --remote where it cannot run: one line, exit code 2, no rank started ----------
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
 
 
 @pytest.mark.parametrize(
-    "mesh, env, message",
+    "args, env, message",
     [
-        ("foo=2", {}, r"--mesh foo=2: dim 'foo' is not one of"),
-        ("pp2", {}, r"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got 'pp2'"),
-        ("dp=2,dp=2", {}, r"--mesh dp=2,dp=2: mesh dim names must be unique"),
-        ("dp=0", {}, r"--mesh dp=0: mesh dims must have size >= 1"),
-        ("cp=3", {}, r"--mesh cp=3: --seq-len 64 cannot be split over cp=3 by the zigzag layout; use a multiple of 6"),
+        (["--mesh", "foo=2"], {}, r"--mesh foo=2: dim 'foo' is not one of"),
+        (["--mesh", "pp2"], {}, r"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got 'pp2'"),
+        (["--mesh", "dp=2,dp=2"], {}, r"--mesh dp=2,dp=2: mesh dim names must be unique"),
+        (["--mesh", "dp=0"], {}, r"--mesh dp=0: mesh dims must have size >= 1"),
+        (["--mesh", "cp=3"], {},
+         r"--mesh cp=3: --seq-len 64 cannot be split over cp=3 by the zigzag layout; use a multiple of 6"),
         # under torchrun (its environment, one process): the mesh must match the world it started
-        ("pp=2,dp=2,tp=2", {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+        (["--mesh", "pp=2,dp=2,tp=2"], {**TORCHRUN_ENV, "WORLD_SIZE": "4"},
          r"--mesh pp=2,dp=2,tp=2: the mesh has 8 ranks, the world 4"),
+        # the endpoint lives in the process that starts the ranks: torchrun has none
+        (["--remote"], TORCHRUN_ENV, r"--remote serves its S3 endpoint from the demo process that starts the ranks"),
+        (["--remote", "--data", "/nonexistent"], {}, r"--remote uploads the demo's own dataset; leave out --data"),
     ],
 )
-def test_demo_refuses_a_bad_mesh_in_one_line_before_any_rank_starts(mesh, env, message):
+def test_demo_refuses_a_bad_mesh_or_remote_in_one_line_before_any_rank_starts(args, env, message):
     proc = subprocess.run(
-        [sys.executable, "-m", "collective_loader", "demo", "--mesh", mesh], capture_output=True, text=True,
+        [sys.executable, "-m", "collective_loader", "demo", *args], capture_output=True, text=True,
         timeout=60, env={**os.environ, **env},
     )
     assert proc.returncode == 2, proc.stderr
