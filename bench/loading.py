@@ -3,6 +3,7 @@
     python bench/loading.py            # about 5 minutes: bench/results/loading.{json,md}
     python bench/loading.py --quick    # about 2 minutes: bench/results/loading_quick.* (git-ignored)
     python bench/loading.py --placement  # per-node loading CPU of both leader placements, pp outermost
+    python bench/loading.py --remote   # the data local and on a local S3 endpoint: first batch, epoch, fetches
 
 An 8-rank gloo world on the mesh ``(dp, pp, tp) = (2, 2, 2)``: two replicas, model-parallel size 4
 (pp x tp). One epoch of a real ``StreamingDataset`` over MDS shards of text written here, with a
@@ -20,6 +21,12 @@ rank: CPU seconds (user + system) and peak RSS, both total and above what the ra
 variant started (after importing torch and streaming and joining the world: what the data path
 adds); the tables sum them over the 8 ranks. DataLoader workers: none (``num_workers=0``), so
 every second of loading is on the rank's own process and counted.
+
+``--remote`` runs both variants with the data local and on a local S3 endpoint
+(:class:`collective_loader.s3_endpoint.S3Endpoint`, served from this process, ``REMOTE_LATENCY``
+added before each object GET); each remote world streams into a fresh cache directory (one per
+world: the ranks share it, as streaming's ranks on one node do). Per case: the time to the first
+batch and the epoch's wall time (slowest rank), and the requests and bytes each rank fetched.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import platform
 import resource
@@ -36,7 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +53,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
 from collective_loader import CollectiveLoader, launch
+from collective_loader.layout import MeshLayout
+from collective_loader.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 from collective_loader.streaming import StreamingSource, release
 from machine import machine  # bench/machine.py: run as python bench/<name>.py
 
@@ -55,6 +65,10 @@ VOCAB = 32000
 VOCAB_ENTRIES = 200_000
 WORDS = [f"w{i:x}{'abcdefgh'[i % 8] * (i % 7)}" for i in range(5000)]
 VARIANTS = ("collective_loader", "every_rank_loads")
+REMOTE_CASES = tuple((data, v) for data in ("local", "remote") for v in VARIANTS)
+REMOTE_LATENCY = 0.05  # seconds before each object GET: an object store's time to first byte, not a disk's
+BUCKET, PREFIX = "bench", "mds"
+UPLOAD = "upload"  # --remote: the client name of this process, which uploads (the ranks name themselves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,41 +161,55 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def epoch_collective(s: Settings, mesh: Any) -> list[int]:
-    source = StreamingSource(mesh, local=s.data, batch_size=s.batch_size, collate=Collate(s.seq_len), shuffle=False)
+def drain(batches: Iterable[dict[str, Any]], start: float) -> tuple[list[int], float]:
+    """Every batch's sample ids, and the seconds from ``start`` until the first batch was in hand."""
+    ids: list[int] = []
+    first = math.nan
+    for batch in batches:
+        if math.isnan(first):
+            first = time.perf_counter() - start
+        ids += batch.get("sample_id", torch.empty(0)).tolist()
+    return ids, first
+
+
+def epoch_collective(s: Settings, mesh: Any, where: dict[str, str], start: float) -> tuple[list[int], float]:
+    source = StreamingSource(mesh, **where, batch_size=s.batch_size, collate=Collate(s.seq_len), shuffle=False)
     loader = CollectiveLoader(source, mesh, inputs=("input_ids", "position_ids", "sample_id"),
                               labels=("labels", "sample_id"))
-    ids = [i for batch in loader for i in batch.get("sample_id", torch.empty(0)).tolist()]
+    ids, first = drain(loader, start)
     loader.close()
-    return ids
+    return ids, first
 
 
-def epoch_every_rank(s: Settings, mesh: Any) -> list[int]:
+def epoch_every_rank(s: Settings, mesh: Any, where: dict[str, str], start: float) -> tuple[list[int], float]:
     from streaming import StreamingDataset
 
-    dataset = StreamingDataset(local=s.data, batch_size=s.batch_size, shuffle=False, replication=REPLICATION)
+    dataset = StreamingDataset(**where, batch_size=s.batch_size, shuffle=False, replication=REPLICATION)
     loader = DataLoader(dataset, batch_size=s.batch_size, collate_fn=Collate(s.seq_len))
-    ids = [i for batch in loader for i in batch["sample_id"].tolist()]
+    ids, first = drain(loader, start)
     del loader
     dist.barrier()  # every rank of the node is done with the blocks before they go
     release(dataset)
-    return ids
+    return ids, first
 
 
-def rank_main(args: tuple[Settings, str]) -> int:
-    s, variant = args
+def rank_main(args: tuple[Settings, str, dict[str, str]]) -> int:
+    """One epoch of ``variant`` from ``where``: StreamingDataset's ``local`` (and ``remote``)."""
+    s, variant, where = args
     import streaming  # noqa: F401  (its import is part of the baseline, not of the data path)
 
+    os.environ[APP_ID_VARIABLE] = f"rank{dist.get_rank()}"  # names this rank's requests to the S3 endpoint
     mesh = init_device_mesh("cpu", MESH[1], mesh_dim_names=MESH[0])
     gc.collect()
     dist.barrier()
     cpu0, rss0, wall0 = cpu_seconds(), rss_bytes(), time.perf_counter()
-    ids = (epoch_collective if variant == "collective_loader" else epoch_every_rank)(s, mesh)
+    ids, first = (epoch_collective if variant == "collective_loader" else epoch_every_rank)(s, mesh, where, wall0)
     record = {
         "rank": dist.get_rank(), "cpu": cpu_seconds() - cpu0, "cpu_total": cpu_seconds(),
-        "rss_start": rss0, "peak_rss": peak_rss_bytes(), "wall": time.perf_counter() - wall0, "ids": ids,
+        "rss_start": rss0, "peak_rss": peak_rss_bytes(), "wall": time.perf_counter() - wall0, "first": first,
+        "ids": ids,
     }
-    return save_run(s, {"variant": variant}, record)
+    return save_run(s, {"variant": variant, "data": "remote" if "remote" in where else "local"}, record)
 
 
 def save_run(s: Settings, run: dict[str, Any], record: dict[str, Any]) -> int:
@@ -335,31 +363,133 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fetch_summary(run: dict[str, Any]) -> dict[str, float]:
+    """What the leaders and the other ranks (and any unnamed client) fetched in one world."""
+    leaders = {f"rank{r}" for r in MeshLayout.build(*MESH, range(8)).leaders()}
+    requests, sent = ({c: k for c, k in run["fetched"][x].items() if c != UPLOAD} for x in ("requests", "bytes"))
+    return {
+        "fetching_ranks": sum(1 for c, k in requests.items() if k and c.startswith("rank")),
+        "leader_requests": sum(k for c, k in requests.items() if c in leaders),
+        "other_requests": sum(k for c, k in requests.items() if c not in leaders),
+        "leader_bytes": sum(b for c, b in sent.items() if c in leaders),
+        "other_bytes": sum(b for c, b in sent.items() if c not in leaders),
+    }
+
+
+def remote_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    settings, mib = meta["settings"], 2**20
+    lines = [
+        "# Remote data: collective_loader vs every rank loads, data local and on an S3 endpoint (gloo, this machine)",
+        "",
+        f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; Python {meta['python']}. `{meta['command']}` "
+        f"ran {meta['seconds']:.0f} s; load average {meta['load_before']} before, {meta['load_after']} after.",
+        "",
+        f"Mesh (dp, pp, tp) = (2, 2, 2): 8 ranks, leaders {list(MeshLayout.build(*MESH, range(8)).leaders())}. One "
+        f"epoch of {settings['samples']} samples of {settings['words_per_sample']} words, per-replica batch "
+        f"{settings['batch_size']}, tokenization-like collate, no DataLoader workers, `shuffle=False`. *remote*: "
+        f"moto's S3 server in the benchmark's process (`collective_loader.s3_endpoint`), {REMOTE_LATENCY * 1000:.0f} "
+        "ms added before each object GET, a fresh `local` cache directory per world shared by its ranks (one host: "
+        "streaming's one-node layout). Times from the world's start barrier, slowest rank; medians over "
+        f"{settings['rounds']} round(s) of separate worlds. Requests and bytes: as the endpoint counted them, by each "
+        "rank's `AWS_SDK_UA_APP_ID`.",
+        "",
+        "| data | loader | first batch s | wall s per epoch | CPU s added (sum) | ranks that fetched | "
+        "requests: leaders / other ranks | MiB fetched: leaders / other ranks | coverage |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for data, variant in REMOTE_CASES:
+        mine = [r for r in runs if r["data"] == data and r["variant"] == variant]
+        times = [{"first": max(x["first"] for x in r["ranks"]), "wall": max(x["wall"] for x in r["ranks"]),
+                  "cpu": sum(x["cpu"] for x in r["ranks"])} | fetch_summary(r) for r in mine]
+        m = {k: statistics.median(t[k] for t in times) for k in times[0]}
+        cover = ", ".join(sorted({check_coverage(r, settings["samples"], settings["batch_size"]) for r in mine}))
+        lines.append(
+            f"| {data} | {variant.replace('_', ' ')} | {m['first']:.2f} | {m['wall']:.1f} | {m['cpu']:.1f} | "
+            f"{m['fetching_ranks']:.0f} | {m['leader_requests']:.0f} / {m['other_requests']:.0f} | "
+            f"{m['leader_bytes'] / mib:.1f} / {m['other_bytes'] / mib:.1f} | {cover} |"
+        )
+    lines += ["", "Per rank, remote data (first round): requests / MiB fetched", "",
+              "| loader | " + " | ".join(f"rank {i}" for i in range(8)) + " |", "|---|" + "---|" * 8]
+    for variant in VARIANTS:
+        first = next(r for r in runs if r["data"] == "remote" and r["variant"] == variant)
+        requests, sent = first["fetched"]["requests"], first["fetched"]["bytes"]
+        cells = [f"{requests.get(f'rank{i}', 0)} / {sent.get(f'rank{i}', 0) / mib:.1f}" for i in range(8)]
+        lines.append(f"| {variant.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_rounds(s: Settings, cases: Sequence[Any], world: Callable[[Any, int], tuple[Callable[..., int], Any]],
+               done: Callable[[Any], None] = lambda case: None) -> int:
+    """Each case in an 8-rank world of its own, ``s.rounds`` times, the order reversed every other
+    round; ``world(case, round)`` gives the world's entry and its argument, ``done(case)`` runs
+    after it. The first failing world's exit code, else 0."""
+    for r in range(s.rounds):
+        for case in cases if r % 2 == 0 else cases[::-1]:
+            code = launch.run(*world(case, r), 8, timeout=1200)
+            if code:
+                print(f"{case} world failed with exit code {code}", file=sys.stderr)
+                return code
+            done(case)
+            print(f"round {r + 1}: {case} done", flush=True)
+    return 0
+
+
+def remote_rounds(s: Settings, tmp: str) -> tuple[int, list[dict[str, Any]]]:
+    """``REMOTE_CASES`` with the remote data on an S3 endpoint served from this process; the exit
+    code and, per world in the order run, the requests and bytes each client fetched."""
+    fetches: list[dict[str, Any]] = []
+    with S3Endpoint(latency=REMOTE_LATENCY) as s3:
+        os.environ.update(s3.client_env(), **{APP_ID_VARIABLE: UPLOAD})  # the ranks, spawned from here, inherit it
+        s3.create_bucket(BUCKET)
+        client = s3.client()
+        for name in sorted(os.listdir(s.data)):
+            client.upload_file(os.path.join(s.data, name), BUCKET, f"{PREFIX}/{name}")
+        s3.clear()  # the upload's last request may be recorded after this: it is named, and not counted
+
+        def world(case: tuple[str, str], r: int) -> tuple[Callable[..., int], Any]:
+            data, variant = case
+            where = {"local": s.data} if data == "local" else {
+                "remote": f"s3://{BUCKET}/{PREFIX}", "local": os.path.join(tmp, f"cache_{r}_{variant}")}
+            return rank_main, (s, variant, where)
+
+        def done(case: tuple[str, str]) -> None:
+            fetches.append({"requests": s3.requests_by_client(), "bytes": s3.bytes_by_client()})
+            s3.clear()
+
+        return run_rounds(s, REMOTE_CASES, world, done), fetches
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small dataset, one round")
-    parser.add_argument("--placement", action="store_true", help="per-node loading CPU of both leader placements")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--placement", action="store_true", help="per-node loading CPU of both leader placements")
+    mode.add_argument("--remote", action="store_true", help="data local and on a local S3 endpoint: first batch, "
+                                                             "epoch time, fetches per rank")
     args = parser.parse_args(argv)
-    name = ("loading_placement" if args.placement else "loading") + ("_quick" if args.quick else "")
+    name = ("loading_placement" if args.placement else "loading_remote" if args.remote else "loading")
+    name += "_quick" if args.quick else ""
     load_before, start = os.getloadavg(), time.time()
     tmp = tempfile.mkdtemp(prefix="cl_loading_")
     try:
         s = dataclasses.replace(QUICK if args.quick else FULL, data=os.path.join(tmp, "mds"),
                                 out=os.path.join(tmp, "runs.jsonl"))
         write_dataset(s.data, s)
-        variants, entry = (("first_stage", "spread"), placement_main) if args.placement else (VARIANTS, rank_main)
-        for r in range(s.rounds):
-            order = variants if r % 2 == 0 else variants[::-1]
-            for variant in order:
-                code = launch.run(entry, (s, variant), 8, timeout=1200)
-                if code:
-                    print(f"{variant} world failed with exit code {code}", file=sys.stderr)
-                    return code
-                print(f"round {r + 1}: {variant} done", flush=True)
+        fetches: list[dict[str, Any]] = []
+        if args.remote:
+            code, fetches = remote_rounds(s, tmp)
+        elif args.placement:
+            code = run_rounds(s, ("first_stage", "spread"), lambda p, r: (placement_main, (s, p)))
+        else:
+            code = run_rounds(s, VARIANTS, lambda v, r: (rank_main, (s, v, {"local": s.data})))
+        if code:
+            return code
         with open(s.out) as f:
             runs = [json.loads(line) for line in f]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if fetches:
+        runs = [{**run, "fetched": fetched} for run, fetched in zip(runs, fetches, strict=True)]
     results = {
         "meta": {
             "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "torch": torch.__version__,
@@ -371,7 +501,12 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [{**r, "ranks": [{k: v for k, v in x.items() if k != "ids"} | {"ids_n": len(x.get("ids", ()))}
                                  for x in r["ranks"]]} for r in runs],
     }
-    text = placement_markdown(results["meta"], runs) if args.placement else markdown({"meta": results["meta"], "runs": runs})
+    if args.placement:
+        text = placement_markdown(results["meta"], runs)
+    elif args.remote:
+        text = remote_markdown(results["meta"], runs)
+    else:
+        text = markdown({"meta": results["meta"], "runs": runs})
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(results, f)
