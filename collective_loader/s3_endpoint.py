@@ -46,7 +46,7 @@ class Request:
     key: str  # the object's key; "" for a request on the bucket (a listing, its creation)
     status: int
     bytes: int  # bytes of the response body
-    time: float  # time.time() when the answer was complete
+    time: float  # time.time() when the answer was ready, before it was sent
 
 
 def client_of(user_agent: str) -> str:
@@ -182,19 +182,18 @@ class S3Endpoint:
                 headers = [(k, v) for k, v in headers if k.lower() != "connection"] + [("Connection", "close")]
                 return start_response(status_line, headers, exc_info)
 
-            sent = 0
             body = app(environ, start)
             try:
-                for chunk in body:
-                    sent += len(chunk)
-                    yield chunk
+                chunks = list(body)  # moto's answers are in memory already
             finally:
                 close = getattr(body, "close", None)
                 if close is not None:
                     close()
-                client = client_of(environ.get("HTTP_USER_AGENT", ""))
-                request = Request(client, method, bucket, key, status[0], sent, time.time())
-                with self._lock:
-                    self._requests.append(request)
+            # recorded before the first byte goes out: a client that has its answer finds it counted
+            client = client_of(environ.get("HTTP_USER_AGENT", ""))
+            request = Request(client, method, bucket, key, status[0], sum(map(len, chunks)), time.time())
+            with self._lock:
+                self._requests.append(request)
+            yield from chunks
 
         return observed
