@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader
 
 from collective_loader.errors import LeaderError
 from collective_loader.layout import MeshLayout
-from collective_loader.transport import agree
+from collective_loader.transport import agree, new_group
 from collective_loader.wire import Kind
 from collective_loader.workers import stop_workers
 
@@ -250,9 +250,7 @@ class StreamingSource:
         # would wait for them in a group creation until killed)
         self._env = leader_env(leaders, self.place.dp_rank, local_world_size)
         self._group = (
-            dist.new_group(sorted(leaders), backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-            if len(leaders) > 1
-            else None
+            new_group(sorted(leaders), "gloo", timeout, "collective_loader:streaming_leaders") if len(leaders) > 1 else None
         )
         self.batch_size = batch_size
         self._collate = collate

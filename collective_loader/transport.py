@@ -38,8 +38,9 @@ T = TypeVar("T")
 MESSAGE_BYTES = 4096  # fixed size of an error message exchanged between leaders
 
 
-def _new_group(ranks: Sequence[int], backend: str, timeout: float | None, desc: str) -> dist.ProcessGroup | None:
-    """Create a group on every rank; return it on members, None elsewhere."""
+def new_group(ranks: Sequence[int], backend: str, timeout: float | None, desc: str) -> dist.ProcessGroup | None:
+    """Create a group on every rank (``desc`` names it in torch's logs and errors); return it on
+    members, None elsewhere."""
     group = dist.new_group(
         list(ranks), backend=backend, timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
         group_desc=desc,
@@ -52,7 +53,7 @@ def control_group(timeout: Any) -> dist.ProcessGroup:
     argument is checked, so with ``timeout`` only when it is a usable number (else torch's
     default: the arguments check then refuses it on every rank)."""
     usable = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
-    group = _new_group(range(dist.get_world_size()), "gloo", float(timeout) if usable else None, "collective_loader:control")
+    group = new_group(range(dist.get_world_size()), "gloo", float(timeout) if usable else None, "collective_loader:control")
     assert group is not None
     return group
 
@@ -256,7 +257,7 @@ def build_groups(
     def make(ranks: Sequence[int], backend: str, desc: str) -> dist.ProcessGroup | None:
         nonlocal count
         count += 1
-        return _new_group(ranks, backend, timeout, f"collective_loader:{desc}")
+        return new_group(ranks, backend, timeout, f"collective_loader:{desc}")
 
     leader_ranks = layout.leaders()
     leaders = make(sorted(leader_ranks), "gloo", "leaders") if len(leader_ranks) > 1 else None

@@ -33,6 +33,7 @@ def test_demo_default_shows_the_naive_mismatch_and_ours_clean():
     assert "samples per replica: {0: 48, 1: 48}" in out
 
 
+@pytest.mark.slow  # 37-52 s; middle stages are in the default run through test_delivery
 def test_demo_local_world_with_middle_stages():
     out = _run([sys.executable, "-m", "collective_loader", "demo", "--mesh", "pp=3,dp=1,cp=2", "--samples", "48"])
     assert "middle stage" in out and "all checks passed" in out

@@ -42,9 +42,9 @@ def _assert_parity(lines, want_runs) -> None:
 
 @pytest.mark.timeout(600)
 def test_training_matches_single_process_and_naive_diverges():
-    """The default run: one case (pipeline and DTensor tensor parallelism together); the others
-    are in the slow variants."""
-    _assert_parity(_run(["--case", "pp2-dp2-tp2", "--schedule", "1F1B"], timeout=600), [("pp2-dp2-tp2", "1F1B")])
+    """The default run: one case, the cheapest (pp=2 x dp=2, GPipe; with DTensor tp=2 it took
+    200 s here); the others are in the slow variants."""
+    _assert_parity(_run(["--case", "pp2-dp2", "--schedule", "GPipe"], timeout=600), [("pp2-dp2", "GPipe")])
 
 
 @pytest.mark.slow

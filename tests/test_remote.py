@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from collective_loader import CollectiveLoader, LeaderError, invariants
 from collective_loader.demo import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
 from collective_loader.routing import Routing
 from collective_loader.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
-from collective_loader.streaming import StreamingSource
+from collective_loader.streaming import StreamingSource, remove_stale
 
 SAMPLES, SEQ, BATCH = 128, 16, 4
 SHARD_BYTES = 1 << 11  # about 20 samples a shard: 7 shards
@@ -257,7 +258,11 @@ def test_slow_endpoint_is_the_stall_report(world, s3, remote, tmp_path):
     finally:
         s3.latency = 0.0
         world.kill()  # the leader's thread is still inside streaming, waiting for the shard
+        remove_stale()  # what the killed ranks left (streaming's blocks and locks), as after any killed run
     assert_failed_everywhere(results, r"leader rank 0", r"still loading step 0 after 9s", r"timeout=12.0s")
+    left = [n for n in os.listdir("/dev/shm") if re.match(r"^\d{6}_", n)]
+    left += [n for n in os.listdir(tempfile.gettempdir()) if re.match(r"^\d{6}_.*filelock$", n)]
+    assert left == [], left
 
 
 def test_download_timeout_is_streamings_read_timeout(world, s3, remote, tmp_path):
