@@ -444,7 +444,7 @@ def remote_rounds(s: Settings, tmp: str) -> tuple[int, list[dict[str, Any]]]:
         client = s3.client()
         for name in sorted(os.listdir(s.data)):
             client.upload_file(os.path.join(s.data, name), BUCKET, f"{PREFIX}/{name}")
-        s3.clear()  # the upload's last request may be recorded after this: it is named, and not counted
+        s3.clear()
 
         def world(case: tuple[str, str], r: int) -> tuple[Callable[..., int], Any]:
             data, variant = case

@@ -157,16 +157,16 @@ class S3Endpoint:
 
     def requests_by_client(self) -> dict[str, int]:
         """Requests per client, over every request recorded."""
-        counts: dict[str, int] = {}
-        for r in self.requests():
-            counts[r.client] = counts.get(r.client, 0) + 1
-        return counts
+        return self._by_client(lambda r: 1)
 
     def bytes_by_client(self) -> dict[str, int]:
         """Response-body bytes sent to each client."""
+        return self._by_client(lambda r: r.bytes)
+
+    def _by_client(self, amount: Callable[[Request], int]) -> dict[str, int]:
         counts: dict[str, int] = {}
         for r in self.requests():
-            counts[r.client] = counts.get(r.client, 0) + r.bytes
+            counts[r.client] = counts.get(r.client, 0) + amount(r)
         return counts
 
     def _observed(self, app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterator[bytes]]:

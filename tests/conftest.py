@@ -37,6 +37,13 @@ def worlds():
     w.close()
 
 
+def s3_shards(s3: S3Endpoint, remote: str) -> list[str]:
+    """The keys of the shards under ``remote`` (``s3://S3_BUCKET/prefix``), sorted."""
+    prefix = remote.split("/", 3)[3] + "/"
+    listing = s3.client().list_objects_v2(Bucket=S3_BUCKET, Prefix=prefix)["Contents"]
+    return sorted(o["Key"] for o in listing if o["Key"].endswith(".mds"))
+
+
 @pytest.fixture(scope="module")
 def s3():
     """A local S3 endpoint with the bucket ``S3_BUCKET``; this process's boto3 (and streaming's

@@ -26,7 +26,7 @@ import pytest
 import torch.distributed as dist
 
 import ranks
-from conftest import S3_BUCKET
+from conftest import S3_BUCKET, s3_shards
 from collective_loader import CollectiveLoader, LeaderError, invariants
 from collective_loader.demo import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
 from collective_loader.routing import Routing
@@ -51,12 +51,6 @@ def remote(s3, request) -> str:
 @pytest.fixture
 def world(worlds):
     return worlds.get(4)
-
-
-def shards(s3: S3Endpoint, remote: str) -> list[str]:
-    prefix = remote.split("/", 3)[3] + "/"
-    listing = s3.client().list_objects_v2(Bucket=S3_BUCKET, Prefix=prefix)["Contents"]
-    return sorted(o["Key"] for o in listing if o["Key"].endswith(".mds"))
 
 
 def shard_gets(s3: S3Endpoint, since: float = 0.0, until: float = float("inf")) -> list[str]:
@@ -164,7 +158,7 @@ def test_only_leaders_fetch_and_every_sample_arrives_once(world, s3, remote, tmp
     by_client = s3.requests_by_client()
     assert {c for c in by_client if c.startswith("rank")} == {f"rank{r}" for r in leaders}, by_client
     started = results[0]["started"]
-    assert sorted(shard_gets(s3, started[0], started[1])) == shards(s3, remote)  # once: the leaders share the cache
+    assert sorted(shard_gets(s3, started[0], started[1])) == s3_shards(s3, remote)  # once: the leaders share the cache
     assert shard_gets(s3, started[1]) == []  # the second epoch reads the cache
 
 
@@ -175,9 +169,9 @@ def test_cache_limit_evicts_shards_that_the_next_epoch_fetches_again(world, s3, 
         epochs, s3.client_env(), remote, str(tmp_path / "cache"), *ONE_REPLICA, 2, cache_limit=limit, timeout=180
     )
     started = results[0]["started"]
-    assert set(shard_gets(s3, started[0], started[1])) == set(shards(s3, remote))
+    assert set(shard_gets(s3, started[0], started[1])) == set(s3_shards(s3, remote))
     again = shard_gets(s3, started[1])
-    assert len(again) >= len(shards(s3, remote)) - 4, again  # at most four stayed in the cache
+    assert len(again) >= len(s3_shards(s3, remote)) - 4, again  # at most four stayed in the cache
     assert sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*.mds")) <= limit
 
 
@@ -193,7 +187,7 @@ def test_predownload_bounds_how_far_ahead_the_leader_fetches(world, s3, remote, 
     )[0]
     fetched = shard_gets(s3, until=ended)
     if predownload == SAMPLES:
-        assert sorted(fetched) == shards(s3, remote)
+        assert sorted(fetched) == s3_shards(s3, remote)
     else:
         assert 1 <= len(fetched) <= most, fetched
 
@@ -207,7 +201,7 @@ def assert_failed_everywhere(results, *texts: str) -> None:
 
 
 def test_deleted_shard_fails_on_every_rank_after_its_retries(world, s3, remote, tmp_path):
-    gone = shards(s3, remote)[3]
+    gone = s3_shards(s3, remote)[3]
     s3.client().delete_object(Bucket=S3_BUCKET, Key=gone)
     s3.clear()
     results = world.run(

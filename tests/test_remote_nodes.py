@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import nodes
+from conftest import S3_BUCKET, s3_shards
 from collective_loader import CollectiveLoader, invariants
 from collective_loader.demo import INPUTS, LABELS, SEQ_DIMS, expected, parse_mesh, write_dataset
 from collective_loader.layout import MeshLayout
@@ -68,12 +69,9 @@ def cached_shards(node: nodes.Node) -> list[str]:
     ids=["leaders_on_one_node", "leaders_on_both_nodes"],
 )
 def test_only_the_leaders_nodes_fetch(s3, tmp_path: Path, mesh: str, leader_nodes: int) -> None:
-    from conftest import S3_BUCKET
-
     remote = f"s3://{S3_BUCKET}/two-nodes-{leader_nodes}"
     write_dataset(remote, SAMPLES, SEQ, shard_bytes=SHARD_BYTES)
-    listing = s3.client().list_objects_v2(Bucket=S3_BUCKET, Prefix=remote.split("/", 3)[3] + "/")["Contents"]
-    shards = sorted(o["Key"].rsplit("/", 1)[1] for o in listing if o["Key"].endswith(".mds"))
+    shards = [key.rsplit("/", 1)[1] for key in s3_shards(s3, remote)]
     s3.clear()
     out = tmp_path / "out"
     out.mkdir()
