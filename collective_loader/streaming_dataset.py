@@ -16,6 +16,13 @@ raises that failure instead of waiting. Another process (a DataLoader worker, an
 the node) that needs the same shard still waits: in a worker the error reaches the leader when
 the DataLoader comes to that worker's next batch, and if another worker's batch comes first, the
 loader's stall report ends the wait on every rank (after ``0.75 x timeout``).
+
+With ``cache_limit``, streaming's ready thread can wait for ever as well: it asks for a shard only
+if the shard is missing when it comes to it, then waits for the shard to become local; when the
+download thread, working ahead, evicts that shard to make room for another (the shards that
+``predownload`` samples need do not fit the cache), nobody downloads it again and the epoch stops
+(seen here: an epoch that never ended, with 4 shards' worth of cache for 7 shards). The ready
+thread here downloads a shard again whenever it finds it evicted while waiting for it.
 """
 
 from __future__ import annotations
@@ -62,6 +69,24 @@ class DownloadFailureRaisingDataset(StreamingDataset):
         if error is not None and getattr(self, "_download_error", None) is None:
             self._download_error = error
         super().on_exception(future)  # streaming's own handling: sets its event, logs the error
+
+    def _ready_thread(self, it: Any) -> None:
+        """Mark samples ready, in order, once their shard is local (streaming's ready thread,
+        except that a shard evicted while being waited for is downloaded again)."""
+        while not (it.should_exit() or it.ready_index == it.total or self._event.is_set()):
+            if self.predownload is not None and it.ready_index - it.yield_index > self.predownload:
+                time.sleep(TICK)
+                continue
+            sample_id = it.sample_ids[it.ready_index]
+            if sample_id != -1:  # -1: padding, nothing to wait for
+                shard_id, _ = self.spanner[sample_id]
+                while self._shard_states[shard_id] != _ShardState.LOCAL and not self._event.is_set():
+                    if self._shard_states[shard_id] == _ShardState.REMOTE:
+                        self.prepare_shard(shard_id, blocking=False)
+                    else:
+                        time.sleep(TICK)
+            it.ready_index += 1
+        it.on_exit()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._download_error: BaseException | None = None
