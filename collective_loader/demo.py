@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
 from collective_loader import invariants, launch, sharding
-from collective_loader.layout import DEFAULT_ROLES, MeshLayout, group_count
+from collective_loader.layout import DEFAULT_ROLES, PLACEMENTS, MeshLayout, group_count
 from collective_loader.loader import CollectiveLoader
 from collective_loader.routing import Routing
 from collective_loader.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
@@ -63,6 +63,7 @@ class DemoArgs:
     layout: str
     delivery: str
     num_workers: int
+    placement: str = "spread"  # where the leaders sit (CollectiveLoader's placement=)
     remote: str = ""  # --remote: the dataset's s3:// URL; ``data`` then holds the runs' cache dirs
 
 
@@ -120,10 +121,11 @@ def rank_main(a: DemoArgs) -> int:
     start = time.perf_counter()
     source = StreamingSource(
         mesh, **stream_from(a, "collective_loader"), batch_size=a.batch_size, shuffle=True,
-        shuffle_seed=SHUFFLE_SEED, num_workers=a.num_workers, clean_stale=True,
+        shuffle_seed=SHUFFLE_SEED, num_workers=a.num_workers, clean_stale=True, placement=a.placement,
     )
     loader = CollectiveLoader(
-        source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, layout=a.layout, delivery=a.delivery
+        source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, layout=a.layout, delivery=a.delivery,
+        placement=a.placement,
     )
     steps = []
     for batch in loader:
@@ -297,7 +299,7 @@ def fetch_report(s3: S3Endpoint, a: DemoArgs, remote: str) -> int:
     """Print what each rank fetched from ``s3`` in both runs; 1 unless, in
     ours, leaders fetched and no other rank did (nor any client other than the ranks and the upload)."""
     n = math.prod(a.shape)
-    leaders = MeshLayout.build(a.dims, a.shape, range(n)).leaders()
+    leaders = MeshLayout.build(a.dims, a.shape, range(n), placement=a.placement).leaders()
     runs = {run: fetched(s3, prefix, n) for run, prefix in RUNS.items()}
     known = {UPLOAD} | {f"{p}{r}" for p in RUNS.values() for r in range(n)}
     strangers = sorted(set(s3.requests_by_client()) - known)
@@ -380,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=("zigzag", "contiguous"), default="zigzag")
     p.add_argument("--delivery", choices=("broadcast", "scatter"), default="broadcast")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per leader")
+    p.add_argument("--placement", choices=PLACEMENTS, default="spread",
+                   help="where each replica's leader sits: spread over the pipeline stages (default) or all on the first")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the local world is stopped")
     p.add_argument("--remote", action="store_true",
                    help="serve the dataset from a local S3 endpoint (moto) and stream it from there; prints what each "
@@ -394,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         if not torchrun or os.environ["RANK"] == "0":  # one line, not one per rank
             print(f"{p.prog}: {e}", file=sys.stderr)
         return 2
-    a = DemoArgs(dims, shape, ns.data or "", ns.samples, ns.batch_size, ns.seq_len, ns.layout, ns.delivery, ns.num_workers)
+    a = DemoArgs(dims, shape, ns.data or "", ns.samples, ns.batch_size, ns.seq_len, ns.layout, ns.delivery, ns.num_workers,
+                 ns.placement)
     if ns.remote:
         return run_remote(a, ns.timeout)
     if ns.data or torchrun:  # under torchrun the ranks write the dataset themselves

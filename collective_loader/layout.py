@@ -10,10 +10,11 @@ Vocabulary (see the README's role table):
 * a *shard* dim gets one slice of every sequence key; several shard dims compose in mesh order
   (the outermost splits first).
 
-The *leader* of a replica is its rank with coordinate 0 on every non-data dim (with
-``placement="spread"``, the pipeline coordinate ``dp_rank * pp // dp`` instead, so consecutive
-replicas' leaders sit on the same stage and the replicas' leaders cover every stage); it is the
-only rank that loads data. Per replica there are up to three delivery groups, each a sorted tuple of global
+The *leader* of a replica is its rank with coordinate 0 on every non-data dim except the
+pipeline dim, where it is ``dp_rank * pp // dp`` (``placement="spread"``, the default): consecutive
+replicas' leaders sit on the same stage and the leaders cover the stages, so the loading spreads
+over the stages' nodes. With ``placement="first_stage"`` the pipeline coordinate is 0 as well: every
+leader on the first stage. The leader is the only rank that loads data. Per replica there are up to three delivery groups, each a sorted tuple of global
 ranks that contains the leader:
 
 * ``first``: the leader and every rank of the first pipeline stage (with one stage: the replica);
@@ -123,13 +124,17 @@ class MeshLayout:
         (0, 0, 'last')
         >>> layout.replica_groups()[0].last
         (0, 4, 5)
+        >>> layout.leaders()  # "spread": replica 1's leader is on the last stage
+        (0, 6)
+        >>> layout.replica_groups()[1].first  # ... and sends the first stage its inputs
+        (2, 3, 6)
     """
 
     dim_names: tuple[str, ...]
     shape: tuple[int, ...]
     roles: tuple[Role, ...]
     ranks: tuple[int, ...]
-    placement: Placement = "first_stage"
+    placement: Placement = "spread"
 
     @classmethod
     def build(
@@ -138,7 +143,7 @@ class MeshLayout:
         shape: Sequence[int],
         ranks: Sequence[int],
         roles: Mapping[str, str] | None = None,
-        placement: str = "first_stage",
+        placement: str = "spread",
     ) -> "MeshLayout":
         """Check the mesh description and assign a role to every dim.
 
@@ -181,7 +186,7 @@ class MeshLayout:
 
     @classmethod
     def from_mesh(
-        cls, mesh: Any, roles: Mapping[str, str] | None = None, placement: str = "first_stage"
+        cls, mesh: Any, roles: Mapping[str, str] | None = None, placement: str = "spread"
     ) -> "MeshLayout":
         """The layout of a ``torch.distributed.device_mesh.DeviceMesh`` (needs named dims)."""
         if mesh.mesh_dim_names is None:
@@ -304,7 +309,7 @@ def group_count(dp: int, pp: int, transport: str = "host", middle_data: bool = F
     return 1 + (dp > 1) + dp * (1 + destinations + data_groups)
 
 
-def mesh_place(mesh: Any, rank: int, roles: Mapping[str, str] | None = None, placement: str = "first_stage") -> Place:
+def mesh_place(mesh: Any, rank: int, roles: Mapping[str, str] | None = None, placement: str = "spread") -> Place:
     """Where ``rank`` sits in ``mesh``: its dp_rank, dp_size, leader and stage.
 
     Handy for a source that must know its replica before the loader exists, e.g.

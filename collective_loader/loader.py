@@ -59,9 +59,10 @@ class CollectiveLoader:
         layout: ``"zigzag"`` or ``"contiguous"``: how a sequence is split over a shard dim.
         roles: ``{dim_name: "data" | "pipeline" | "replicate" | "shard"}`` overriding the
             defaults (see :data:`collective_loader.layout.DEFAULT_ROLES`).
-        placement: where each replica's leader sits: ``"first_stage"`` (default) or ``"spread"``
-            (over the pipeline stages, so loading spreads over their nodes; see
-            :class:`~collective_loader.layout.MeshLayout`). Give a ``StreamingSource`` the same.
+        placement: where each replica's leader sits: ``"spread"`` (default: over the pipeline
+            stages, so the loading spreads over their nodes) or ``"first_stage"`` (every leader on
+            the first stage; see :class:`~collective_loader.layout.MeshLayout`). Give a
+            ``StreamingSource`` the same.
         delivery: ``"broadcast"`` (one collective, receivers slice their shard) or
             ``"scatter"`` (each rank receives only its bytes).
         transport: ``"host"`` (default): everything moves over gloo groups on the transfer
@@ -98,7 +99,7 @@ class CollectiveLoader:
         seq_dims: Mapping[str, int] | None = None,
         layout: Layout = "zigzag",
         roles: Mapping[str, str] | None = None,
-        placement: Placement = "first_stage",
+        placement: Placement = "spread",
         delivery: Delivery = "broadcast",
         transport: Transport = "host",
         prefetch: int | None = None,

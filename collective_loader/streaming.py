@@ -94,7 +94,9 @@ def leader_env(leaders: Sequence[int], dp_rank: int, local_world_size: int) -> d
         raise ValueError(
             f"data-parallel leaders are spread unevenly over nodes ({counts} leaders per node); streaming "
             "needs the same number on every node that holds one: put the data dims of the mesh outermost "
-            "or innermost"
+            "or innermost, or give StreamingSource and CollectiveLoader the other placement= (\"spread\", "
+            "the default, puts replica d's leader on pipeline stage d * pp // dp; \"first_stage\" puts "
+            "every leader on the first stage)"
         )
     count = per_node.pop()
     for index, (node, dps) in enumerate(sorted(nodes.items())):
@@ -215,7 +217,8 @@ class StreamingSource:
         collate: samples -> batch; :func:`lm_collate` by default.
         num_workers: DataLoader worker processes per leader.
         roles: dim roles, as for ``CollectiveLoader``.
-        placement: where the leaders sit, as for ``CollectiveLoader`` (give both the same).
+        placement: where the leaders sit, as for ``CollectiveLoader`` (``"spread"`` by default;
+            give both the same).
         clean_stale: first remove the shared memory and lock files killed runs left on this
             node (:func:`remove_stale`); blocks that a live process maps are kept.
         timeout: seconds the leaders wait for each other while building.
@@ -233,7 +236,7 @@ class StreamingSource:
         collate: Callable[[Sequence[Sample]], Mapping[str, Any]] = lm_collate,
         num_workers: int = 0,
         roles: Mapping[str, str] | None = None,
-        placement: str = "first_stage",
+        placement: str = "spread",
         clean_stale: bool = False,
         timeout: float = 600.0,
         dataloader_kwargs: Mapping[str, Any] | None = None,

@@ -38,8 +38,9 @@ EXPECTED_DEFAULTS = {
 class Reference:
     """Expected places and groups, computed by brute force over flat indices."""
 
-    def __init__(self, names, shape, ranks, roles):
+    def __init__(self, names, shape, ranks, roles, placement="spread"):
         self.names, self.shape, self.ranks, self.roles = tuple(names), tuple(shape), list(ranks), list(roles)
+        self.placement = placement
         self.data = [i for i, r in enumerate(self.roles) if r == "data"]
         self.pipe = [i for i, r in enumerate(self.roles) if r == "pipeline"]
         self.shard_dims = [i for i, r in enumerate(self.roles) if r == "shard"]
@@ -56,10 +57,16 @@ class Reference:
             return 0
         return int(np.ravel_multi_index([c[i] for i in self.data], [self.shape[i] for i in self.data]))
 
-    def leader(self, rank):
+    def leader_coords(self, rank):
+        """Same data coords, 0 elsewhere; with "spread", pipeline coord dp_rank * pp // dp."""
         c = self.coords(rank)
         lc = [c[i] if self.roles[i] == "data" else 0 for i in range(len(c))]
-        return self.ranks[int(np.ravel_multi_index(lc, self.shape))]
+        if self.placement == "spread" and self.pipe:
+            lc[self.pipe[0]] = self.dp_rank(rank) * self.pp // self.dp
+        return lc
+
+    def leader(self, rank):
+        return self.ranks[int(np.ravel_multi_index(self.leader_coords(rank), self.shape))]
 
     def pp_rank(self, rank):
         return self.coords(rank)[self.pipe[0]] if self.pipe else 0
@@ -106,10 +113,7 @@ def check_layout(layout: MeshLayout, ref: Reference):
         assert place.is_first_stage == (ref.pp_rank(rank) == 0)
         assert place.is_last_stage == (ref.pp_rank(rank) == ref.pp - 1)
         assert place.shard == ref.shard(rank)
-        # the leader: same data coords, 0 elsewhere
-        lc = ref.coords(place.leader)
-        for i, role in enumerate(ref.roles):
-            assert lc[i] == (ref.coords(rank)[i] if role == "data" else 0)
+        assert list(ref.coords(place.leader)) == ref.leader_coords(rank)
 
     groups = layout.replica_groups()
     assert [g.dp_rank for g in groups] == list(range(ref.dp))
@@ -131,10 +135,11 @@ def check_layout(layout: MeshLayout, ref: Reference):
     assert group_count(ref.dp, ref.pp) == n_groups
 
 
-def build_and_check(names, shape, ranks, roles=None):
-    layout = MeshLayout.build(names, shape, ranks, roles)
+def build_and_check(names, shape, ranks, roles=None, placement=None):
+    """``placement=None``: the library's default, which the reference takes to be "spread"."""
+    layout = MeshLayout.build(names, shape, ranks, roles, **({"placement": placement} if placement else {}))
     resolved = [(roles or {}).get(n, EXPECTED_DEFAULTS.get(n)) for n in names]
-    check_layout(layout, Reference(names, shape, ranks, resolved))
+    check_layout(layout, Reference(names, shape, ranks, resolved, placement or "spread"))
     return layout
 
 
@@ -222,13 +227,17 @@ def test_docstring_example():
     p = layout.place(5)
     assert (p.dp_rank, p.leader, p.stage) == (0, 0, "last")
     assert layout.replica_groups()[0] == ReplicaGroups(0, 0, (0, 1, 4, 5), (0, 1), (0, 4, 5), None)
-    assert layout.replica_groups()[1] == ReplicaGroups(1, 2, (2, 3, 6, 7), (2, 3), (2, 6, 7), None)
-    assert layout.leaders() == (0, 2)
+    # the default placement, "spread": replica 1's leader is on the last stage, and sends to the first
+    assert layout.replica_groups()[1] == ReplicaGroups(1, 6, (2, 3, 6, 7), (2, 3, 6), (6, 7), None)
+    assert layout.leaders() == (0, 6)
+    first_stage = MeshLayout.build(("pp", "dp", "tp"), (2, 2, 2), range(8), placement="first_stage")
+    assert first_stage.replica_groups()[1] == ReplicaGroups(1, 2, (2, 3, 6, 7), (2, 3), (2, 6, 7), None)
+    assert first_stage.leaders() == (0, 2)
 
 
 def test_hand_computed_megatron_mesh():
     # pp=3, dp=2, cp=2, tp=2: rank = ((pp*2 + dp)*2 + cp)*2 + tp
-    layout = MeshLayout.build(("pp", "dp", "cp", "tp"), (3, 2, 2, 2), range(24))
+    layout = MeshLayout.build(("pp", "dp", "cp", "tp"), (3, 2, 2, 2), range(24), placement="first_stage")
     p = layout.place(23)  # pp=2 dp=1 cp=1 tp=1
     assert p.coords == (2, 1, 1, 1) and p.dp_rank == 1 and p.leader == 4 and p.stage == "last"
     assert p.shard == ((2, 1),)
@@ -257,14 +266,15 @@ ORDERS = [
 
 @pytest.mark.parametrize("names, shape", ORDERS, ids=lambda x: "-".join(map(str, x)))
 @pytest.mark.parametrize("perm", ["identity", "shuffled", "offset"])
-def test_mesh_orders(names, shape, perm):
+@pytest.mark.parametrize("placement", [None, "first_stage"], ids=["default", "first_stage"])
+def test_mesh_orders(names, shape, perm, placement):
     n = int(np.prod(shape))
     ranks = list(range(n))
     if perm == "shuffled":
         random.Random(n).shuffle(ranks)
     elif perm == "offset":
         ranks = [1000 + 3 * r for r in reversed(ranks)]
-    build_and_check(names, shape, ranks)
+    build_and_check(names, shape, ranks, placement=placement)
 
 
 NAME_POOL = ["pp", "dp", "dp_shard", "batch", "tp", "cp", "sp", "ep", "x"]
@@ -289,21 +299,21 @@ def meshes(draw):
     return tuple(names), tuple(shape), ranks, roles
 
 
-@given(meshes())
+@given(meshes(), st.sampled_from([None, "first_stage", "spread"]))
 @PROPS
-def test_random_meshes(mesh):
+def test_random_meshes(mesh, placement):
     names, shape, ranks, roles = mesh
-    build_and_check(names, shape, ranks, roles)
+    build_and_check(names, shape, ranks, roles, placement)
 
 
 def test_all_role_assignments_small_mesh():
     names, shape = ("a", "b", "c"), (2, 3, 2)
     ranks = list(range(12))
     random.Random(0).shuffle(ranks)
-    for roles in itertools.product(ROLES, repeat=3):
+    for roles, placement in itertools.product(itertools.product(ROLES, repeat=3), ["first_stage", "spread"]):
         if roles.count("pipeline") > 1:
             continue
-        build_and_check(names, shape, ranks, dict(zip(names, roles)))
+        build_and_check(names, shape, ranks, dict(zip(names, roles)), placement)
 
 
 # --- group counts -----------------------------------------------------------------------------
@@ -326,15 +336,15 @@ def test_16k_gpu_mesh_groups():
     # delivery groups + one whole-replica group each + control + leaders
     assert sum(len(g.all()) + 1 for g in groups) + 2 == group_count(128, 16) == 514
     assert all(len(g.ranks) == 16 * 2 * 4 for g in groups)
-    # replica d: ranks (p*128 + d)*8 + j
+    # replica d: ranks (p*128 + d)*8 + j; its leader (placement "spread") is on stage d // 8
     for d in (0, 77, 127):
         g = groups[d]
-        lead = d * 8
+        lead = (d // 8 * 128 + d) * 8
         assert g.leader == lead
-        assert g.first == tuple(lead + j for j in range(8))
-        assert g.last == tuple(sorted([lead] + [(15 * 128 + d) * 8 + j for j in range(8)]))
-        assert g.middle == tuple(sorted([lead] + [(p * 128 + d) * 8 + j for p in range(1, 15) for j in range(8)]))
-    assert layout.leaders() == tuple(d * 8 for d in range(128))
+        assert g.first == tuple(sorted({lead} | {d * 8 + j for j in range(8)}))
+        assert g.last == tuple(sorted({lead} | {(15 * 128 + d) * 8 + j for j in range(8)}))
+        assert g.middle == tuple(sorted({lead} | {(p * 128 + d) * 8 + j for p in range(1, 15) for j in range(8)}))
+    assert layout.leaders() == tuple((d // 8 * 128 + d) * 8 for d in range(128))
 
 
 def test_the_configuration_digest_sees_the_last_field_on_a_16k_rank_layout():

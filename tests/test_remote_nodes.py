@@ -41,6 +41,7 @@ def rank_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--remote", required=True)
     p.add_argument("--mesh", required=True)
+    p.add_argument("--placement", required=True)
     p.add_argument("--out", required=True, type=Path)
     a = p.parse_args(argv)
     os.environ[APP_ID_VARIABLE] = f"rank{os.environ['RANK']}"
@@ -49,9 +50,11 @@ def rank_main(argv: list[str]) -> None:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
     source = StreamingSource(
         mesh, remote=a.remote, local=os.path.join(tempfile.gettempdir(), CACHE), batch_size=BATCH, shuffle=True,
-        shuffle_seed=7,
+        shuffle_seed=7, placement=a.placement,
     )
-    loader = CollectiveLoader(source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, timeout=120)
+    loader = CollectiveLoader(
+        source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, timeout=120, placement=a.placement
+    )
     batches = [b for b in loader]
     loader.close()
     torch.save({"place": loader.place, "batches": batches}, a.out / f"rank{dist.get_rank()}.pt")
@@ -64,11 +67,14 @@ def cached_shards(node: nodes.Node) -> list[str]:
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT)
 @pytest.mark.parametrize(
-    "mesh,leader_nodes",
-    [("pp=2,dp=2,tp=2", 1), pytest.param("dp=2,pp=2,tp=2", 2, marks=pytest.mark.slow)],
+    "placement,leader_nodes",
+    [("first_stage", 1), pytest.param("spread", 2, marks=pytest.mark.slow)],
     ids=["leaders_on_one_node", "leaders_on_both_nodes"],
 )
-def test_only_the_leaders_nodes_fetch(s3, tmp_path: Path, mesh: str, leader_nodes: int) -> None:
+def test_only_the_leaders_nodes_fetch(s3, tmp_path: Path, placement: str, leader_nodes: int) -> None:
+    """pp outermost over two nodes of 4 (a stage per node): the leaders on the first stage's node,
+    or spread over both."""
+    mesh = "pp=2,dp=2,tp=2"
     remote = f"s3://{S3_BUCKET}/two-nodes-{leader_nodes}"
     write_dataset(remote, SAMPLES, SEQ, shard_bytes=SHARD_BYTES)
     shards = [key.rsplit("/", 1)[1] for key in s3_shards(s3, remote)]
@@ -76,7 +82,7 @@ def test_only_the_leaders_nodes_fetch(s3, tmp_path: Path, mesh: str, leader_node
     out = tmp_path / "out"
     out.mkdir()
     with nodes.Cluster(tmp_path / "nodes", nproc=4) as cluster:  # the job inherits the endpoint's env
-        job = cluster.start([__file__, "--remote", remote, "--mesh", mesh, "--out", str(out)])
+        job = cluster.start([__file__, "--remote", remote, "--mesh", mesh, "--placement", placement, "--out", str(out)])
         result = job.wait(JOB_TIMEOUT)
         print(f"{mesh} over 2 x 4 ranks from S3: {result.seconds:.1f}s")
         assert result.codes == (0, 0) and len(result.ranks) == 8, result.describe()
@@ -93,7 +99,7 @@ def test_only_the_leaders_nodes_fetch(s3, tmp_path: Path, mesh: str, leader_node
     assert all(v.ok for v in verdicts), [f"{v.name}: {v.detail}" for v in verdicts if not v.ok]
 
     dims, shape = parse_mesh(mesh)
-    leaders = MeshLayout.build(dims, shape, range(math.prod(shape))).leaders()
+    leaders = MeshLayout.build(dims, shape, range(math.prod(shape)), placement=placement).leaders()
     node_of = {r: w["two_nodes_node"] for r, w in where.items()}
     assert len({node_of[r] for r in leaders}) == leader_nodes
     by_client = s3.requests_by_client()

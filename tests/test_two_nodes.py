@@ -47,16 +47,19 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> str:
     return out
 
 
-def leader_nodes(mesh: str, where: dict[int, dict[str, int]]) -> list[int]:
+def leader_nodes(mesh: str, where: dict[int, dict[str, int]], placement: str = "spread") -> list[int]:
     """The node each replica's leader ran on, by dp_rank."""
     dims, shape = parse_mesh(mesh)
-    return [where[r]["two_nodes_node"] for r in MeshLayout.build(dims, shape, range(math.prod(shape))).leaders()]
+    layout = MeshLayout.build(dims, shape, range(math.prod(shape)), placement=placement)
+    return [where[r]["two_nodes_node"] for r in layout.leaders()]
 
 
-def run_demo(cluster: nodes.Cluster, data: str, mesh: str, **start: float) -> tuple[nodes.Result, nodes.Job]:
+def run_demo(
+    cluster: nodes.Cluster, data: str, mesh: str, placement: str = "spread", **start: float
+) -> tuple[nodes.Result, nodes.Job]:
     job = cluster.start(
         ["-m", "collective_loader", "demo", "--data", data, "--mesh", mesh, "--seq-len", str(SEQ),
-         "--batch-size", str(BATCH)],
+         "--batch-size", str(BATCH), "--placement", placement],
         **start,
     )
     return job.wait(JOB_TIMEOUT), job
@@ -77,15 +80,21 @@ def assert_nodes_clean(cluster: nodes.Cluster) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(2 * JOB_TIMEOUT)
 @pytest.mark.parametrize(
-    "mesh,leader_nodes_wanted", [("dp=2,pp=2,tp=2", 2), ("pp=2,dp=2,tp=2", 1)], ids=["both_nodes", "one_node"]
+    "mesh,placement,leader_nodes_wanted",
+    [("dp=2,pp=2,tp=2", "spread", 2), ("pp=2,dp=2,tp=2", "first_stage", 1), ("pp=2,dp=2,tp=2", "spread", 2)],
+    ids=["both_nodes", "one_node", "both_nodes_spread"],
 )
-def test_leader_placements_over_nodes(tmp_path: Path, data: str, mesh: str, leader_nodes_wanted: int) -> None:
-    """The two leaders on both nodes (data dims outermost), or both on one node (pp outermost)."""
+def test_leader_placements_over_nodes(
+    tmp_path: Path, data: str, mesh: str, placement: str, leader_nodes_wanted: int
+) -> None:
+    """The two leaders on both nodes (data dims outermost, or pp outermost with the default
+    placement, which spreads them over the stages), or both on one node (pp outermost, every
+    leader on the first stage)."""
     with nodes.Cluster(tmp_path, nproc=4) as cluster:
-        result, job = run_demo(cluster, data, mesh)
-        print(f"{mesh} over 2 x 4 ranks: {result.seconds:.1f}s")
+        result, job = run_demo(cluster, data, mesh, placement)
+        print(f"{mesh} ({placement}) over 2 x 4 ranks: {result.seconds:.1f}s")
         assert_demo_passed(result, 8)
-        placed = leader_nodes(mesh, job.where())
+        placed = leader_nodes(mesh, job.where(), placement)
         assert len(placed) == 2 and len(set(placed)) == leader_nodes_wanted, result.describe()
         assert_nodes_clean(cluster)
 
