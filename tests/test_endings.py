@@ -12,6 +12,7 @@ import ranks
 from collective_loader import BatchError, CollectiveLoader, ConfigMismatchError, LeaderError, mesh_place
 
 MESH = (("pp", "dp", "cp"), (3, 2, 2))  # 12 ranks: middle stages, shard dim, two replicas
+SECOND_LEADER = 6  # replica 1's leader: stage 1 * 3 // 2 = 1 (the default placement), coords (1, 1, 0)
 
 
 def _loader(source, **kw):
@@ -69,7 +70,7 @@ def bad_batch(kind: str):
 
 def source_build_fails():
     def build():
-        if dist.get_rank() == 2:
+        if dist.get_rank() == SECOND_LEADER:
             raise FileNotFoundError("no shards at /nowhere")
         return []
 
@@ -142,7 +143,7 @@ def test_source_exception_reaches_every_rank(world, at_step):
     for rank, (steps, kind, message) in enumerate(results):
         assert steps == at_step, (rank, steps)
         assert kind == "LeaderError", (rank, kind, message)
-        assert "leader rank 2 (dp_rank 1)" in message and "OSError: disk on fire" in message, message
+        assert f"leader rank {SECOND_LEADER} (dp_rank 1)" in message and "OSError: disk on fire" in message, message
         assert f"step {at_step}" in message
 
 
@@ -166,7 +167,7 @@ def test_bad_batch_is_a_value_error_everywhere(world, kind, at_step, needle):
 
 def test_source_build_failure_raises_everywhere(world):
     for message in world.run(source_build_fails, timeout=60):
-        assert message is not None and "leader rank 2 could not build its source" in message
+        assert message is not None and f"leader rank {SECOND_LEADER} could not build its source" in message
         assert "FileNotFoundError: no shards at /nowhere" in message
 
 

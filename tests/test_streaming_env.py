@@ -23,15 +23,30 @@ from collective_loader.layout import MeshLayout
 from collective_loader.streaming import leader_env, leaders_world
 
 
-def _envs(dims, shape, local_world_size):
-    layout = MeshLayout.build(dims, shape, range(int(__import__("math").prod(shape))))
+def _envs(dims, shape, local_world_size, placement="spread"):
+    layout = MeshLayout.build(dims, shape, range(int(__import__("math").prod(shape))), placement=placement)
     leaders = layout.leaders()
     return [leader_env(leaders, dp, local_world_size) for dp in range(len(leaders))]
 
 
-def test_all_leaders_on_one_node():
-    # pp outermost on 2 nodes of 8: every leader sits on the first node
+def test_spread_leaders_share_the_stages_nodes():
+    # pp outermost on 2 nodes of 8, the default placement: replicas 0-1 on node 0, 2-3 on node 1
     envs = _envs(("pp", "dp", "tp"), (2, 4, 2), 8)
+    assert [(e["RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["LOCAL_RANK"]) for e in envs] == [
+        ("0", "4", "2", "0"), ("1", "4", "2", "1"), ("2", "4", "2", "0"), ("3", "4", "2", "1")
+    ]
+
+
+def test_spread_leaders_uneven_over_the_stages_nodes_are_refused_where_first_stage_works():
+    # pp=2 outermost, dp=3, a stage per node: spread puts replicas 0, 1 on node 0 and 2 on node 1
+    with pytest.raises(ValueError, match=r"unevenly over nodes \(\{0: 2, 1: 1\}.*placement="):
+        _envs(("pp", "dp", "tp"), (2, 3, 2), 6)
+    assert [e["LOCAL_RANK"] for e in _envs(("pp", "dp", "tp"), (2, 3, 2), 6, "first_stage")] == ["0", "1", "2"]
+
+
+def test_all_leaders_on_one_node():
+    # pp outermost on 2 nodes of 8, placement "first_stage": every leader sits on the first node
+    envs = _envs(("pp", "dp", "tp"), (2, 4, 2), 8, "first_stage")
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
     assert {e["WORLD_SIZE"] for e in envs} == {"4"} and {e["LOCAL_WORLD_SIZE"] for e in envs} == {"4"}
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2", "3"]
