@@ -23,6 +23,11 @@ download thread, working ahead, evicts that shard to make room for another (the 
 ``predownload`` samples need do not fit the cache), nobody downloads it again and the epoch stops
 (seen here: an epoch that never ended, with 4 shards' worth of cache for 7 shards). The ready
 thread here downloads a shard again whenever it finds it evicted while waiting for it.
+
+And the end of an epoch waits until two of streaming's three loops (download, ready, sample)
+have counted themselves out, which a thread does only when it returns: when both download
+threads raise (both met the failing store), the epoch's end waits for ever and the failure is
+never raised. Here both threads count themselves out however they end.
 """
 
 from __future__ import annotations
@@ -70,23 +75,34 @@ class DownloadFailureRaisingDataset(StreamingDataset):
             self._download_error = error
         super().on_exception(future)  # streaming's own handling: sets its event, logs the error
 
+    def _prepare_thread(self, it: Any) -> None:
+        try:
+            super()._prepare_thread(it)
+        except BaseException:
+            it.on_exit()  # see _ready_thread
+            raise
+
     def _ready_thread(self, it: Any) -> None:
         """Mark samples ready, in order, once their shard is local (streaming's ready thread,
         except that a shard evicted while being waited for is downloaded again)."""
-        while not (it.should_exit() or it.ready_index == it.total or self._event.is_set()):
-            if self.predownload is not None and it.ready_index - it.yield_index > self.predownload:
-                time.sleep(TICK)
-                continue
-            sample_id = it.sample_ids[it.ready_index]
-            if sample_id != -1:  # -1: padding, nothing to wait for
-                shard_id, _ = self.spanner[sample_id]
-                while self._shard_states[shard_id] != _ShardState.LOCAL and not self._event.is_set():
-                    if self._shard_states[shard_id] == _ShardState.REMOTE:
-                        self.prepare_shard(shard_id, blocking=False)
-                    else:
-                        time.sleep(TICK)
-            it.ready_index += 1
-        it.on_exit()
+        try:
+            while not (it.should_exit() or it.ready_index == it.total or self._event.is_set()):
+                if self.predownload is not None and it.ready_index - it.yield_index > self.predownload:
+                    time.sleep(TICK)
+                    continue
+                sample_id = it.sample_ids[it.ready_index]
+                if sample_id != -1:  # -1: padding, nothing to wait for
+                    shard_id, _ = self.spanner[sample_id]
+                    while self._shard_states[shard_id] != _ShardState.LOCAL and not self._event.is_set():
+                        if self._shard_states[shard_id] == _ShardState.REMOTE:
+                            self.prepare_shard(shard_id, blocking=False)
+                        else:
+                            time.sleep(TICK)
+                it.ready_index += 1
+        finally:
+            # streaming counts a thread out only when it returns, and the epoch's end waits until
+            # two of its three loops have: when both download threads raise, it would wait for ever
+            it.on_exit()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._download_error: BaseException | None = None
