@@ -26,8 +26,9 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -40,7 +41,8 @@ from collective_loader.layout import DEFAULT_ROLES, PLACEMENTS, MeshLayout, grou
 from collective_loader.loader import CollectiveLoader
 from collective_loader.routing import Routing
 from collective_loader.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
-from collective_loader.streaming import StreamingSource, lm_collate, release
+from collective_loader.streaming import StreamingSource, leaders_world, lm_collate, release
+from collective_loader.transport import agreed, new_group
 
 INPUTS = ("input_ids", "position_ids", "sample_id")
 LABELS = ("labels", "sample_id")
@@ -64,6 +66,7 @@ class DemoArgs:
     delivery: str
     num_workers: int
     placement: str = "spread"  # where the leaders sit (CollectiveLoader's placement=)
+    timeout: float = 600.0  # seconds: the local world's limit, and any rank's wait for another after the epoch
     remote: str = ""  # --remote: the dataset's s3:// URL; ``data`` then holds the runs' cache dirs
 
 
@@ -115,6 +118,10 @@ def rank_main(a: DemoArgs) -> int:
                 shutil.rmtree(out, ignore_errors=True)
     mesh = init_device_mesh("cpu", a.shape, mesh_dim_names=a.dims)
     me = dist.get_rank()
+    # the demo's own exchanges after the epoch; each phase ends in an agreement over this group,
+    # so a rank that fails there ends the demo on every rank at once (see after_epoch)
+    group = new_group(range(dist.get_world_size()), "gloo", a.timeout, "collective_loader:demo")
+    assert group is not None
     # the endpoint counts requests by this name; streaming's S3 client, made lazily per dataset
     # (and in each DataLoader worker), reads it when it is created
     os.environ[APP_ID_VARIABLE] = f"{RUNS['collective_loader']}{me}"
@@ -133,20 +140,57 @@ def rank_main(a: DemoArgs) -> int:
         if me == 0 and len(steps) % 8 == 0:
             print(f"  step {len(steps)}: {time.perf_counter() - start:.1f}s", flush=True)
     seconds = time.perf_counter() - start
+    try:
+        ours = agreed(group, lambda: finish(loader, steps, seconds), failed("closing the loader"))
+        layout, routing, dp_size = loader.mesh_layout, loader.routing, loader.dp_size
+        del loader, source  # frees the leaders' dataset: on local data the naive run reuses its directory
+        gc.collect()
+        return after_epoch(a, group, layout, routing, dp_size, ours)
+    except DemoError as e:
+        if e.__cause__ is not None:  # this rank failed: its own traceback, then the verdict every rank prints
+            traceback.print_exception(e.__cause__)
+        print(f"rank {me}: {e}", file=sys.stderr)
+        return 1
+
+
+class DemoError(RuntimeError):
+    """A rank failed after the epoch (closing, naive run, gathering, report); raised on every rank."""
+
+
+def failed(phase: str) -> Callable[[int, str], Exception]:
+    """What every rank raises when ``rank`` failed in ``phase`` with ``text``."""
+    return lambda rank, text: DemoError(f"rank {rank} failed in {phase}: {text}")
+
+
+def finish(loader: CollectiveLoader, steps: list[Any], seconds: float) -> tuple[Any, ...]:
+    """Close the loader; this rank's record of the epoch, where it sits, and what it moved."""
     stats = loader.stats()
     loader.close()
-    place, layout, routing, dp_size = loader.place, loader.mesh_layout, loader.routing, loader.dp_size
-    del loader, source  # frees the leaders' dataset: on local data the naive run reuses its directory
-    gc.collect()
+    place = loader.place
     record = invariants.RankRecord(place.rank, place.dp_rank, place.stage, place.shard, steps)
-    ours = (record, place.coords, place.is_leader, stats, seconds)
+    return record, place.coords, place.is_leader, stats, seconds
+
+
+def after_epoch(
+    a: DemoArgs, group: dist.ProcessGroup, layout: MeshLayout, routing: Routing, dp_size: int, ours: tuple[Any, ...]
+) -> int:
+    """The naive run, the gathering of every rank's records and rank 0's report, each phase ending
+    in an agreement over ``group``: when any rank fails in one, every rank raises
+    :class:`DemoError` naming it, instead of leaving the others waiting for it (on one node and
+    on several). Returns the report's exit code on every rank."""
+    me = dist.get_rank()
     os.environ[APP_ID_VARIABLE] = f"{RUNS['naive']}{me}"
-    naive = naive_ids(a, layout)
+    naive = naive_ids(a, layout, group, failed("the naive run"))
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (ours, naive))  # the demo's own bookkeeping, not the data path
-    if me != 0:
-        return 0
-    return report(a, layout, routing, dp_size, [g[0] for g in gathered], [g[1] for g in gathered])
+    dist.all_gather_object(gathered, (ours, naive), group=group)  # the demo's bookkeeping, not the data path
+    code = agreed(
+        group,
+        lambda: report(a, layout, routing, dp_size, [g[0] for g in gathered], [g[1] for g in gathered]) if me == 0 else 0,
+        failed("the report"),
+    )
+    verdict = torch.tensor([code])
+    dist.broadcast(verdict, src=0, group=group)  # rank 0's verdict is every rank's exit code
+    return int(verdict)
 
 
 def stream_from(a: DemoArgs, run: str) -> dict[str, str]:
@@ -157,17 +201,23 @@ def stream_from(a: DemoArgs, run: str) -> dict[str, str]:
     return {"remote": a.remote, "local": os.path.join(a.data, run)}
 
 
-def naive_ids(a: DemoArgs, layout: MeshLayout) -> list[list[int]]:
-    """The seed's set-up: every rank builds StreamingDataset with replication = tp * cp."""
+def naive_ids(
+    a: DemoArgs, layout: MeshLayout, group: dist.ProcessGroup, failed: Callable[[int, str], Exception]
+) -> list[list[int]]:
+    """The seed's set-up: every rank builds StreamingDataset with replication = tp * cp.
+
+    Streaming's barriers (and ours) run as agreements over ``group``: a rank that fails here
+    makes the others raise ``failed(rank, text)`` at their next barrier."""
     from streaming import StreamingDataset
 
     replication = math.prod(s for s, r in zip(layout.shape, layout.roles) if r in ("replicate", "shard"))
-    dataset = StreamingDataset(
-        **stream_from(a, "naive"), batch_size=a.batch_size, shuffle=True, shuffle_seed=SHUFFLE_SEED,
-        replication=replication,
-    )
-    ids = [b["sample_id"].tolist() for b in DataLoader(dataset, batch_size=a.batch_size, collate_fn=lm_collate)]
-    dist.barrier()  # every rank of the node is done with the blocks before they go
+    with leaders_world({}, group, failed):
+        dataset = StreamingDataset(
+            **stream_from(a, "naive"), batch_size=a.batch_size, shuffle=True, shuffle_seed=SHUFFLE_SEED,
+            replication=replication,
+        )
+        ids = [b["sample_id"].tolist() for b in DataLoader(dataset, batch_size=a.batch_size, collate_fn=lm_collate)]
+        dist.barrier()  # every rank of the node is done with the blocks before they go
     release(dataset)
     return ids
 
@@ -179,6 +229,16 @@ def _describe(batch: dict[str, Any]) -> str:
     if not batch:
         return "{} (nothing: middle stage)"
     return " ".join(f"{k}={v.tolist()}" if k == "sample_id" else f"{k}{list(v.shape)}" for k, v in batch.items())
+
+
+def samples_per_replica(records: list[invariants.RankRecord]) -> dict[int, int]:
+    """Samples each replica trained on, counted on its lowest first-stage rank: the ranks that
+    hold sample ids (a leader may sit on a middle stage, whose batches are empty)."""
+    counted: dict[int, int] = {}
+    for rec in sorted(records, key=lambda r: r.rank):
+        if rec.stage in ("first", "both") and rec.dp_rank not in counted:
+            counted[rec.dp_rank] = sum(len(b["sample_id"]) for b in rec.steps)
+    return dict(sorted(counted.items()))
 
 
 def label_mismatch(stage_of: dict[int, str], dp_of: dict[int, int], ids: dict[int, list]) -> tuple[int, int]:
@@ -234,10 +294,7 @@ def report(
         role += f", dp_rank {record.dp_rank}"
         print(f"{record.rank:>4}  {where:<{width}} {role:<32} {_describe(record.steps[0] if record.steps else {})}")
     records = [o[0] for o in ours]
-    per_replica: dict[int, int] = {}
-    for rec in records:
-        if rec.rank == layout.place(rec.rank).leader:
-            per_replica[rec.dp_rank] = sum(len(b["sample_id"]) for b in rec.steps)
+    per_replica = samples_per_replica(records)
     sent = sum(o[3]["bytes_sent"] for o in ours)
     collectives = sum(o[3]["collectives"] for o in ours if layout.place(o[0].rank).is_leader)
     steps = len(records[0].steps)
@@ -384,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per leader")
     p.add_argument("--placement", choices=PLACEMENTS, default="spread",
                    help="where each replica's leader sits: spread over the pipeline stages (default) or all on the first")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the local world is stopped")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the local world is stopped; also the longest any rank waits for another "
+                        "in the demo's own exchanges after the epoch")
     p.add_argument("--remote", action="store_true",
                    help="serve the dataset from a local S3 endpoint (moto) and stream it from there; prints what each "
                         "rank fetched")
@@ -399,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{p.prog}: {e}", file=sys.stderr)
         return 2
     a = DemoArgs(dims, shape, ns.data or "", ns.samples, ns.batch_size, ns.seq_len, ns.layout, ns.delivery, ns.num_workers,
-                 ns.placement)
+                 ns.placement, timeout=ns.timeout)
     if ns.remote:
         return run_remote(a, ns.timeout)
     if ns.data or torchrun:  # under torchrun the ranks write the dataset themselves

@@ -46,6 +46,7 @@ from collective_loader.wire import Kind
 from collective_loader.workers import stop_workers
 
 Sample = Mapping[str, Any]
+Failure = Callable[[int, str], Exception]  # (failing rank, its error's text) -> what the others raise
 CLOSE_WAIT = 60.0  # seconds a leader waits for the others before releasing shared files
 
 
@@ -139,15 +140,19 @@ class _LeadersBarrier:
         self._target = threading.local()
 
     @contextlib.contextmanager
-    def scope(self, group: dist.ProcessGroup | None) -> Iterator[None]:
-        """Inside, this thread's group-less barriers run over ``group`` (no-ops without one)."""
+    def scope(self, group: dist.ProcessGroup | None, failed: Failure) -> Iterator[None]:
+        """Inside, this thread's group-less barriers run over ``group`` (no-ops without one);
+        when a member fails inside its scope, the others raise ``failed(rank, text)``."""
         with self._lock:
             if self._scopes == 0:
                 self._real = dist.barrier
                 dist.barrier = self._barrier
             self._scopes += 1
-        outer = getattr(self._target, "group", self._OFF), getattr(self._target, "settled", False)
-        self._target.group, self._target.settled = group, False
+        outer = (
+            getattr(self._target, "group", self._OFF), getattr(self._target, "settled", False),
+            getattr(self._target, "failed", None),
+        )
+        self._target.group, self._target.settled, self._target.failed = group, False, failed
         try:
             yield
         except Exception as e:
@@ -159,7 +164,7 @@ class _LeadersBarrier:
             if group is not None:
                 self._agree(group)
         finally:
-            self._target.group, self._target.settled = outer
+            self._target.group, self._target.settled, self._target.failed = outer
             with self._lock:
                 self._scopes -= 1
                 if self._scopes == 0:
@@ -178,23 +183,31 @@ class _LeadersBarrier:
     def _agree(self, group: dist.ProcessGroup) -> None:
         kind, message, origin = agree(group, Kind.DATA, "")
         if kind != Kind.DATA:
-            self._target.settled = True  # the failing leader has spoken: no more agreements
-            raise LeaderError(f"leader rank {origin} failed while the leaders built their datasets: {message}")
+            self._target.settled = True  # the failing member has spoken: no more agreements
+            raise self._target.failed(origin, message)
 
 
 _leaders_barrier = _LeadersBarrier()
 
 
+def _leader_failed(origin: int, text: str) -> Exception:
+    return LeaderError(f"leader rank {origin} failed while the leaders built their datasets: {text}")
+
+
 @contextlib.contextmanager
-def leaders_world(env: Mapping[str, str], group: dist.ProcessGroup | None) -> Iterator[None]:
+def leaders_world(
+    env: Mapping[str, str], group: dist.ProcessGroup | None, failed: Failure = _leader_failed
+) -> Iterator[None]:
     """Inside: ``os.environ`` holds ``env``, and this thread's group-less
-    ``torch.distributed.barrier()`` calls (streaming's) run over ``group`` (no-ops without one);
-    other threads' barriers and barriers on an explicit group are not touched. Restored on exit,
-    also on an exception. The environment is the process's: build one dataset at a time."""
+    ``torch.distributed.barrier()`` calls (streaming's) run over ``group`` (no-ops without one),
+    each an agreement: when a member raises inside, the others raise ``failed(rank, text)`` at
+    their next barrier or at the end. Other threads' barriers and barriers on an explicit group
+    are not touched. Restored on exit, also on an exception. The environment is the process's:
+    build one dataset at a time."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        with _leaders_barrier.scope(group):
+        with _leaders_barrier.scope(group, failed):
             yield
     finally:
         for k, v in saved.items():

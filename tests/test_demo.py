@@ -10,13 +10,17 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from collective_loader import invariants
-from collective_loader.demo import INPUTS, LABELS, SEQ_DIMS, expected, verdicts
+from collective_loader.demo import INPUTS, LABELS, SEQ_DIMS, expected, parse_mesh, verdicts
 from collective_loader.layout import MeshLayout
 from collective_loader.routing import Routing
+
+
+FAILING_DEMO = Path(__file__).with_name("failing_demo.py")
 
 
 def _run(cmd: list[str]) -> str:
@@ -31,6 +35,38 @@ def test_demo_default_shows_the_naive_mismatch_and_ours_clean():
     assert re.search(r"naive, every rank builds StreamingDataset\(replication=2\): 100\.0%", out), out
     assert re.search(r"collective_loader: +0\.0% \(0 of \d+", out), out
     assert "samples per replica: {0: 48, 1: 48}" in out
+
+
+@pytest.mark.parametrize("mesh", ["pp=3,dp=2", pytest.param("pp=4,dp=2", marks=pytest.mark.slow)])
+def test_demo_with_a_leader_on_a_middle_stage(mesh):
+    """The default placement puts replica 1's leader on stage 1 (a middle stage, whose batches
+    are empty): the report counts each replica's samples where they are, on its first stage."""
+    dims, shape = parse_mesh(mesh)
+    layout = MeshLayout.build(dims, shape, range(math.prod(shape)))
+    assert any(layout.place(r).stage == "middle" for r in layout.leaders())
+    out = _run([sys.executable, "-m", "collective_loader", "demo", "--mesh", mesh, "--samples", "48"])
+    assert "all checks passed" in out and out.count("[ok]") == 5, out
+    assert "samples per replica: {0: 24, 1: 24}" in out, out
+    assert re.search(r"leader, middle stage, dp_rank 1 +\{\} \(nothing: middle stage\)", out), out
+
+
+@pytest.mark.parametrize("phase, rank", [("naive", 3), pytest.param("report", 0, marks=pytest.mark.slow)])
+def test_a_rank_failing_after_the_epoch_ends_every_rank(phase, rank):
+    """One rank raises after the epoch (inside the naive run, between streaming's barriers; or in
+    rank 0's report, which test_two_nodes runs over two nodes by default): every rank says which
+    rank failed where and exits non-zero, at once (torchrun would stop them after 5 s)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "--monitor-interval", "5", str(FAILING_DEMO), phase, str(rank), "--mesh", "pp=2,dp=2", "--samples", "32",
+         "--timeout", "60"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    where = {"naive": "the naive run", "report": "the report"}[phase]
+    for r in range(4):
+        line = f"rank {r}: rank {rank} failed in {where}: KeyError: 'injected by failing_demo.py'"
+        assert line in proc.stderr or r == rank, proc.stderr
+    assert "injected by failing_demo.py" in proc.stderr
 
 
 @pytest.mark.slow  # 37-52 s; middle stages are in the default run through test_delivery

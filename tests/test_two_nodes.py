@@ -115,6 +115,31 @@ def test_uneven_leaders_fail_on_every_rank(tmp_path: Path, data: str) -> None:
         assert_nodes_clean(cluster)
 
 
+@pytest.mark.timeout(2 * JOB_TIMEOUT)
+def test_a_rank_failing_in_the_demo_report_ends_both_nodes(tmp_path: Path, data: str) -> None:
+    """Rank 0 raises in the demo's report, after the epoch: the ranks on both nodes hear it
+    from the report's agreement and exit non-zero, so both agents do too (before, the node
+    whose ranks had succeeded waited in torchrun's exit barrier until killed). pp=4,dp=2 puts
+    replica 1's leader on a middle stage, as the report's original KeyError needed."""
+    with nodes.Cluster(tmp_path, nproc=4) as cluster:
+        job = cluster.start(
+            [str(Path(__file__).with_name("failing_demo.py")), "report", "0", "--data", data, "--mesh", "pp=4,dp=2",
+             "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--timeout", "60"],
+            monitor_interval=5.0,
+        )
+        result = job.wait(JOB_TIMEOUT)
+        print(f"pp=4,dp=2 over 2 x 4 ranks, rank 0's report failing: ended in {result.seconds:.1f}s")
+        assert not result.timed_out and 0 not in result.codes, result.describe()
+        assert len(result.ranks) == WORLD and {r.node for r in result.ranks.values()} == {0, 1}, result.describe()
+        failed_at = result.ranks[0].exit["time"] if result.ranks[0].exit else None
+        assert failed_at is not None, result.describe()
+        for r in result.ranks.values():
+            assert r.exit and r.exit["code"] != 0, result.describe()
+            assert "rank 0 failed in the report: KeyError: 'injected by failing_demo.py'" in r.log, result.describe()
+            assert r.exit["time"] - failed_at < TEARDOWN, result.describe()
+        assert_nodes_clean(cluster)
+
+
 # --- a node killed mid-epoch ------------------------------------------------------------------
 
 
