@@ -44,13 +44,15 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
+from machine import machine  # bench/machine.py: run as python bench/<name>.py
 from torch.distributed.device_mesh import init_device_mesh
 
-from collective_loader import CollectiveLoader, launch, wire
-from collective_loader.layout import MeshLayout, group_count
-from collective_loader.buffers import BufferPool
-from collective_loader.wire import Header, Kind
-from machine import machine  # bench/machine.py: run as python bench/<name>.py
+from collective_loader import CollectiveLoader
+from collective_loader.delivery.buffers import BufferPool
+from collective_loader.plan import wire
+from collective_loader.plan.mesh import MeshLayout, group_count
+from collective_loader.plan.wire import Header, Kind
+from collective_loader.testing import launch
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KIB, MIB = 1 << 10, 1 << 20

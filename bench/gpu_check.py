@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from collective_loader import CollectiveLoader, launch
+from collective_loader import CollectiveLoader
+from collective_loader.testing import launch
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 INPUTS = ("input_ids", "sample_id")  # to the first pipeline stage

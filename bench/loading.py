@@ -23,7 +23,7 @@ adds); the tables sum them over the 8 ranks. DataLoader workers: none (``num_wor
 every second of loading is on the rank's own process and counted.
 
 ``--remote`` runs both variants with the data local and on a local S3 endpoint
-(:class:`collective_loader.s3_endpoint.S3Endpoint`, served from this process, ``REMOTE_LATENCY``
+(:class:`collective_loader.testing.s3_endpoint.S3Endpoint`, served from this process, ``REMOTE_LATENCY``
 added before each object GET); each remote world streams into a fresh cache directory (one per
 world: the ranks share it, as streaming's ranks on one node do). Per case: the time to the first
 batch and the epoch's wall time (slowest rank), and the requests and bytes each rank fetched.
@@ -49,14 +49,15 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from machine import machine  # bench/machine.py: run as python bench/<name>.py
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
-from collective_loader import CollectiveLoader, launch
-from collective_loader.layout import MeshLayout
-from collective_loader.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
+from collective_loader import CollectiveLoader
+from collective_loader.plan.mesh import MeshLayout
 from collective_loader.streaming import StreamingSource, release
-from machine import machine  # bench/machine.py: run as python bench/<name>.py
+from collective_loader.testing import launch
+from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MESH = (("dp", "pp", "tp"), (2, 2, 2))
@@ -387,7 +388,7 @@ def remote_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         f"Mesh (dp, pp, tp) = (2, 2, 2): 8 ranks, leaders {list(MeshLayout.build(*MESH, range(8)).leaders())}. One "
         f"epoch of {settings['samples']} samples of {settings['words_per_sample']} words, per-replica batch "
         f"{settings['batch_size']}, tokenization-like collate, no DataLoader workers, `shuffle=False`. *remote*: "
-        f"moto's S3 server in the benchmark's process (`collective_loader.s3_endpoint`), {REMOTE_LATENCY * 1000:.0f} "
+        f"moto's S3 server in the benchmark's process (`collective_loader.testing.s3_endpoint`), {REMOTE_LATENCY * 1000:.0f} "
         "ms added before each object GET, a fresh `local` cache directory per world shared by its ranks (one host: "
         "streaming's one-node layout). Times from the world's start barrier, slowest rank; medians over "
         f"{settings['rounds']} round(s) of separate worlds. Requests and bytes: as the endpoint counted them, by each "

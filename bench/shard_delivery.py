@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from collective_loader import CollectiveLoader, launch
+from collective_loader import CollectiveLoader
+from collective_loader.testing import launch
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -46,7 +47,7 @@ def _time_epoch(case: Case, delivery: str, mesh) -> float:
     batch = _batch(case.payload_bytes)
     loader = CollectiveLoader(
         [batch] * (case.steps + 5), mesh, inputs=("input_ids",), labels=("labels",),
-        seq_dims={"input_ids": 1, "labels": 1}, layout="zigzag", delivery=delivery,
+        seq_dims={"input_ids": 1, "labels": 1}, split="zigzag", delivery=delivery,
     )
     it = iter(loader)
     for _ in range(5):  # warm-up

@@ -3,13 +3,13 @@
 Writes a small tokenized MDS dataset (or reads ``--data DIR``), starts a local gloo world (or runs
 under torchrun), and delivers one epoch through :class:`StreamingSource` + ``CollectiveLoader``.
 Rank 0 then prints every rank's role and first batch, samples per replica, the collectives and
-bytes moved, and the verdict of the invariant checks (:mod:`collective_loader.invariants`).
+bytes moved, and the verdict of the invariant checks (:mod:`collective_loader.testing.invariants`).
 Last, it runs the seed issue's naive set-up on the same mesh and data (every rank builds its own
 StreamingDataset with ``replication = tp * cp``) and prints, side by side, the share of steps
 whose last-stage labels do not belong to the first stage's inputs. Exit code 1 if a check fails,
 2 (one line on stderr, before any rank starts) if ``--mesh`` cannot run.
 
-``--remote`` starts a local S3 endpoint in this process (:mod:`collective_loader.s3_endpoint`),
+``--remote`` starts a local S3 endpoint in this process (:mod:`collective_loader.testing.s3_endpoint`),
 writes the dataset to it, and both runs stream from it, each into a cache directory of its own;
 after the world ends, this process prints the requests and bytes each rank fetched in each run,
 and fails the demo if a rank that leads no replica fetched anything in ours.
@@ -18,6 +18,7 @@ and fails the demo if a rank that leads no replica fetched anything in ours.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import math
@@ -36,13 +37,25 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
-from collective_loader import invariants, launch, sharding
-from collective_loader.layout import DEFAULT_ROLES, PLACEMENTS, MeshLayout, group_count
+from collective_loader.delivery.agreement import run_phase
+from collective_loader.delivery.transport import new_group
 from collective_loader.loader import CollectiveLoader
-from collective_loader.routing import Routing
-from collective_loader.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
-from collective_loader.streaming import StreamingSource, leaders_world, lm_collate, release
-from collective_loader.transport import agreed, new_group
+from collective_loader.plan import sharding
+from collective_loader.plan.mesh import (
+    DEFAULT_ROLES,
+    PLACEMENTS,
+    MeshLayout,
+    group_count,
+)
+from collective_loader.plan.routing import Routing
+from collective_loader.streaming import (
+    StreamingSource,
+    leaders_world,
+    lm_collate,
+    release,
+)
+from collective_loader.testing import invariants, launch
+from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 
 INPUTS = ("input_ids", "position_ids", "sample_id")
 LABELS = ("labels", "sample_id")
@@ -62,7 +75,7 @@ class DemoArgs:
     samples: int
     batch_size: int
     seq_len: int
-    layout: str
+    split: str
     delivery: str
     num_workers: int
     placement: str = "spread"  # where the leaders sit (CollectiveLoader's placement=)
@@ -131,7 +144,7 @@ def rank_main(a: DemoArgs) -> int:
         shuffle_seed=SHUFFLE_SEED, num_workers=a.num_workers, clean_stale=True, placement=a.placement,
     )
     loader = CollectiveLoader(
-        source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, layout=a.layout, delivery=a.delivery,
+        source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, split=a.split, delivery=a.delivery,
         placement=a.placement,
     )
     steps = []
@@ -141,7 +154,7 @@ def rank_main(a: DemoArgs) -> int:
             print(f"  step {len(steps)}: {time.perf_counter() - start:.1f}s", flush=True)
     seconds = time.perf_counter() - start
     try:
-        ours = agreed(group, lambda: finish(loader, steps, seconds), failed("closing the loader"))
+        ours = run_phase(group, functools.partial(finish, loader, steps, seconds), failed("closing the loader"))
         layout, routing, dp_size = loader.mesh_layout, loader.routing, loader.dp_size
         del loader, source  # frees the leaders' dataset: on local data the naive run reuses its directory
         gc.collect()
@@ -183,7 +196,7 @@ def after_epoch(
     naive = naive_ids(a, layout, group, failed("the naive run"))
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (ours, naive), group=group)  # the demo's bookkeeping, not the data path
-    code = agreed(
+    code = run_phase(
         group,
         lambda: report(a, layout, routing, dp_size, [g[0] for g in gathered], [g[1] for g in gathered]) if me == 0 else 0,
         failed("the report"),
@@ -283,7 +296,7 @@ def report(
     dataset = list(range(a.samples)) if a.remote else dataset_ids(a.data)
     where = f"{a.remote} (cached in {a.data})" if a.remote else a.data
     print(f"\ncollective_loader demo: mesh [{layout.describe()}], {len(dataset)} samples in {where}, "
-          f"per-replica batch {a.batch_size} x seq {a.seq_len}, layout={a.layout}, delivery={a.delivery}, "
+          f"per-replica batch {a.batch_size} x seq {a.seq_len}, split={a.split}, delivery={a.delivery}, "
           f"num_workers={a.num_workers}")
     print(f"{dp_size} replicas, {group_count(dp_size, layout.pp_size)} process groups per loader\n")
     width = 4 * len(a.dims) + 8
@@ -385,7 +398,7 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
         raise ValueError(f"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got {text!r}") from None
 
 
-def check_mesh(text: str, seq_len: int, layout: str, world_size: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def check_mesh(text: str, seq_len: int, split: str, world_size: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The dims and sizes of ``--mesh text``, or a ValueError saying what to change.
 
     Checked here, before any rank starts, so a bad flag is one message rather than the same
@@ -406,11 +419,11 @@ def check_mesh(text: str, seq_len: int, layout: str, world_size: int | None) -> 
             "is the number of ranks torchrun starts"
         )
     shard = [(n, size) for n, size, role in zip(dims, shape, roles) if role == "shard"]
-    need = sharding.divisor([(size, 0) for _, size in shard], layout)
+    need = sharding.divisor([(size, 0) for _, size in shard], split)
     if seq_len % need:
         over = " x ".join(f"{n}={size}" for n, size in shard)
         raise ValueError(
-            f"--mesh {text}: --seq-len {seq_len} cannot be split over {over} by the {layout} layout; "
+            f"--mesh {text}: --seq-len {seq_len} cannot be split over {over} by the {split} split; "
             f"use a multiple of {need}"
         )
     return dims, shape
@@ -436,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=256, help="samples to write when --data is not given")
     p.add_argument("--batch-size", type=int, default=4, help="per-replica batch size")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--layout", choices=("zigzag", "contiguous"), default="zigzag")
+    p.add_argument("--split", choices=sharding.SPLITS, default="zigzag", help="how a sequence is cut over the shard dims")
     p.add_argument("--delivery", choices=("broadcast", "scatter"), default="broadcast")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per leader")
     p.add_argument("--placement", choices=PLACEMENTS, default="spread",
@@ -449,14 +462,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     torchrun = launch.under_torchrun()
     try:
-        dims, shape = check_mesh(ns.mesh, ns.seq_len, ns.layout, int(os.environ["WORLD_SIZE"]) if torchrun else None)
+        dims, shape = check_mesh(ns.mesh, ns.seq_len, ns.split, int(os.environ["WORLD_SIZE"]) if torchrun else None)
         if ns.remote:
             check_remote(ns.data, torchrun)
     except ValueError as e:
         if not torchrun or os.environ["RANK"] == "0":  # one line, not one per rank
             print(f"{p.prog}: {e}", file=sys.stderr)
         return 2
-    a = DemoArgs(dims, shape, ns.data or "", ns.samples, ns.batch_size, ns.seq_len, ns.layout, ns.delivery, ns.num_workers,
+    a = DemoArgs(dims, shape, ns.data or "", ns.samples, ns.batch_size, ns.seq_len, ns.split, ns.delivery, ns.num_workers,
                  ns.placement, timeout=ns.timeout)
     if ns.remote:
         return run_remote(a, ns.timeout)

@@ -41,7 +41,6 @@ fake_pg`` registers on a CPU build. With those two lines the mesh is TorchTitan'
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import sys
@@ -53,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -60,13 +60,17 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.utils.data import DataLoader
 
-from collective_loader import CollectiveLoader, launch
+from collective_loader import CollectiveLoader
 from collective_loader.streaming import StreamingSource, lm_collate, release
+from collective_loader.testing import launch
 
 VOCAB, SEQ, DIM, HEAD_DIM, LAYERS = 61, 32, 32, 8, 8
 SAMPLES = 512

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from collective_loader.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
+SUPPORT = Path(__file__).resolve().parent / "support"
+sys.path.insert(0, str(SUPPORT))  # the tests' helpers (world, ranks, nodes, ...): imported by name
 from world import World
+
+from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 
 S3_BUCKET = "collective-loader-tests"
 

@@ -1,0 +1,163 @@
+"""One pass over a leader's source, delivered to every rank: the transfer thread and the training
+thread's side of each step.
+
+An :class:`Epoch` runs the delivery protocol (:mod:`~collective_loader.delivery.protocol`) on a
+:class:`~collective_loader.delivery.prefetch.Prefetcher` thread, ahead of the training loop by
+at most ``settings.prefetch`` steps, and hands one batch per ``next()`` to the loop. Leaders
+also watch their source for stalls (:class:`~collective_loader.delivery.watchdog.StallWatch`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import warnings
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from collective_loader.delivery import protocol
+from collective_loader.delivery.device import hand_over
+from collective_loader.delivery.prefetch import Prefetcher
+from collective_loader.delivery.settings import Settings
+from collective_loader.delivery.watchdog import StallWatch
+from collective_loader.delivery.workers import stop_workers
+from collective_loader.errors import DeliveryError
+from collective_loader.plan.wire import Kind
+
+Batch = dict[str, Any]
+JOIN_WAIT = 5.0  # seconds to wait for a transfer thread that has delivered its last step
+
+
+class Epoch(Iterator[Batch]):
+    """One pass over the source: the transfer thread's protocol steps, handed over one per ``next()``.
+
+    The transfer thread (a :class:`~collective_loader.delivery.prefetch.Prefetcher`) runs the protocol's
+    gloo part ahead of the loop. ``next()`` then, on the training thread: with the device
+    transport, posts the next step's tensor collectives before it waits for this step's (so they
+    overlap the step's compute, and are issued in program order); on a CUDA mesh, makes the
+    current stream wait for the batch's copy to the GPU.
+    """
+
+    def __init__(self, settings: Settings, source: Any, resume: Mapping[str, Any] | None) -> None:
+        self.settings = settings
+        self.source = source
+        self._resume = resume
+        self.steps = resume["steps"] if resume is not None else 0  # consumed, resumed ones included
+        self.source_state = resume["source"] if resume is not None else None
+        self._source_iter: Iterator[Mapping[str, Any]] | None = None
+        self._finished = False
+        self._posted: protocol.Posted | None = None  # device transport: the next step, on its way
+        self._copies: collections.deque = collections.deque()  # (event, host tensors) of copies in flight
+        place = settings.place
+        stream = torch.cuda.Stream(settings.device) if settings.device.type == "cuda" else None
+        name = f"collective_loader-r{place.rank}"
+        if place.is_leader:
+            self._watch: StallWatch | None = StallWatch(
+                protocol.STALL_AFTER * settings.timeout, lambda step: self._prefetch.interrupt(self._step.stalled(step)),
+                f"{name}-watch",
+            )
+            self._step: protocol.LeaderStep | protocol.MemberStep = protocol.LeaderStep(
+                settings, stream, self._load, self._source_state, self._watch
+            )
+        else:
+            self._watch = None
+            self._step = protocol.MemberStep(settings, stream)
+        # an exception in a step ends the epoch: it is raised in the training loop
+        self._prefetch: Prefetcher[protocol.Item] = Prefetcher(
+            self._step.step, settings.prefetch, is_last=lambda item: item.kind != Kind.DATA,
+            on_error=protocol.failed, name=name,
+        )
+
+    # --- training-loop side ----------------------------------------------------------------
+
+    def __next__(self) -> Batch:
+        if self._finished:
+            raise StopIteration
+        try:
+            item = self._next_item()
+        except DeliveryError:
+            self._finish()
+            raise
+        if item.kind != Kind.DATA:
+            self._finish()
+            if item.kind == Kind.END:
+                raise StopIteration
+            assert item.error is not None
+            raise item.error
+        self.steps += 1
+        self.source_state = item.source_state
+        while self._copies and self._copies[0][0].query():
+            self._copies.popleft()  # their copies are done: the host buffers may be reused
+        if item.event is not None:
+            self._copies.append((item.event, item.host))
+        return hand_over(item.batch, item.event)
+
+    def _next_item(self) -> protocol.Item:
+        if self.settings.transport == "host":
+            return self._prefetch.take()
+        posted = self._posted or protocol.post(self.settings, self._prefetch.take())
+        self._posted = None
+        if posted.item.kind == Kind.DATA:
+            # every rank posts step k+1 in its k-th next(), so the order is the same everywhere
+            self._posted = protocol.post(self.settings, self._prefetch.take())
+        return protocol.complete(self.settings, posted)
+
+    def _finish(self) -> None:
+        self._finished = True
+        self._prefetch.close(JOIN_WAIT)  # a thread stuck in a stalled source is left behind
+        self._close_watch()
+
+    def close(self) -> None:
+        """Run the steps already granted (peers run them too), then stop the thread; an epoch
+        left early also stops its source's iteration (and DataLoader workers) now."""
+        early = not self._finished
+        if self._posted is not None:  # posted by every rank alike: let it finish
+            with contextlib.suppress(RuntimeError):
+                protocol.complete(self.settings, self._posted)
+            self._posted = None
+        self._prefetch.close(JOIN_WAIT if self._finished else self.settings.timeout + JOIN_WAIT)
+        self._finished = True
+        self._close_watch()
+        # a thread still inside the source after the wait keeps it
+        if early and self._source_iter is not None and not self.in_source():
+            stop_workers(self._source_iter, self.source)
+            close_generator = getattr(self._source_iter, "close", None)
+            if callable(close_generator):
+                close_generator()
+
+    def _close_watch(self) -> None:
+        if self._watch is not None and not self._prefetch.alive():
+            self._watch.close()
+
+    def in_source(self) -> bool:
+        """Whether the transfer thread is still running (after :meth:`close`: stuck in the source)."""
+        return self._prefetch.alive()
+
+    # --- the leader's source -------------------------------------------------------------
+
+    def _load(self, step: int) -> Mapping[str, Any]:
+        if self._source_iter is None:
+            self._source_iter = self._start_source()
+        return next(self._source_iter)
+
+    def _source_state(self) -> Any:
+        source = self.source
+        return source.state_dict() if hasattr(source, "state_dict") else None
+
+    def _start_source(self) -> Iterator[Mapping[str, Any]]:
+        """``iter(source)``, resumed where a loaded state says."""
+        source = self.source
+        resume = self._resume
+        if resume is not None and resume["source"] is not None and hasattr(source, "load_state_dict"):
+            source.load_state_dict(resume["source"])
+            return iter(source)  # type: ignore[arg-type]
+        it = iter(source)  # type: ignore[arg-type]
+        if resume is not None and resume["steps"]:
+            warnings.warn(
+                f"the source has no state_dict/load_state_dict: resuming by skipping {resume['steps']} batches",
+                stacklevel=2,
+            )
+            for _ in range(resume["steps"]):
+                next(it)
+        return it

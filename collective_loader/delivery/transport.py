@@ -1,0 +1,273 @@
+"""Process groups and the collectives that move messages (a header and a payload in one buffer).
+
+Everything that calls ``torch.distributed`` lives here. Groups are built once, by every rank, in
+the same order (``dist.new_group`` is collective over the default group). Control messages and
+every message header travel over gloo (CPU) groups, whatever the mesh's device is.
+
+A :class:`Channel` is one delivery group seen from one rank: the leader sends each message
+(header and payload in one buffer) as a broadcast, or as a scatter of equal-sized per-rank
+messages; every other member receives it. While message sizes repeat, that is one collective
+per step.
+
+Two transports (see :mod:`collective_loader.delivery.protocol`):
+
+* ``"host"`` (default): the whole message moves over the channel's gloo group, in host memory
+  (pinned on a CUDA mesh). Its collectives may run on any thread: gloo never touches a GPU.
+* ``"device"``: the header and the batch description move over gloo; the tensor bytes move over
+  a second group of the mesh device's backend (NCCL on a CUDA mesh, gloo on a CPU mesh), whose
+  collectives are posted by the training thread only (:meth:`Channel.post_data`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Literal, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from collective_loader.delivery.buffers import BufferPool
+from collective_loader.plan import wire
+from collective_loader.plan.mesh import MeshLayout, Place
+from collective_loader.plan.wire import Header, Kind
+
+Transport = Literal["host", "device"]
+T = TypeVar("T")
+
+
+def new_group(ranks: Sequence[int], backend: str, timeout: float | None, desc: str) -> dist.ProcessGroup | None:
+    """Create a group on every rank (``desc`` names it in torch's logs and errors); return it on
+    members, None elsewhere."""
+    group = dist.new_group(
+        list(ranks), backend=backend, timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
+        group_desc=desc,
+    )
+    return group if dist.get_rank() in ranks else None
+
+
+def mesh_device(device_type: str) -> torch.device:
+    """Where delivered tensors land on a mesh of ``device_type``: the current device of that type.
+
+    Chosen from the mesh, never from the default group's backend: ``init_process_group()`` with
+    no backend, or ``"cpu:gloo,cuda:nccl"``, serves both devices, and a CPU mesh must never
+    touch CUDA.
+    """
+    if device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, device_type, None)
+    if module is None or not hasattr(module, "current_device"):
+        raise ValueError(f"CollectiveLoader delivers to 'cpu' or 'cuda' meshes, not {device_type!r}")
+    return torch.device(device_type, module.current_device())
+
+
+def device_backend(device: torch.device) -> str:
+    """The collective backend torch pairs with ``device``'s type (``"gloo"`` on CPU, ``"nccl"`` on CUDA)."""
+    return dist.get_default_backend_for_device(device.type)
+
+
+@dataclass
+class Channel:
+    """One delivery group (sorted global ``ranks``, ``leader`` among them) seen from this rank.
+
+    Every message is one buffer: a :data:`~collective_loader.plan.wire.HEADER_BYTES` header, then the
+    payload (see :func:`collective_loader.plan.wire.write_message`). Receivers cannot know a message's
+    size before its header, so both ends track ``frame_nbytes``, the size of the previous
+    message on this channel: the leader sends the first ``frame_nbytes`` bytes of the next
+    message (padded when it is shorter) in one collective, and the rest, if it is longer, in a
+    second. While batch sizes repeat, a step is therefore one collective per group.
+
+    ``group`` is always gloo; ``pool`` reuses its host buffers (pinned on a CUDA mesh). With the
+    device transport, ``data_group`` (the mesh device's backend) carries the tensor bytes of DATA
+    messages and ``group`` only the header and the batch description. On a ``scattered`` channel
+    every message is a scatter of equal-sized per-member messages (receivers must know how to
+    receive before they see a header); end and error messages are then the same message for
+    every member. A channel that does not ``carry_data`` (middle stages without ``every_stage``
+    keys) only ever gets headers.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    leader: int
+    group: dist.ProcessGroup
+    scattered: bool = False
+    pool: BufferPool | None = None
+    carries_data: bool = True
+    data_group: dist.ProcessGroup | None = None
+    frame_nbytes: int = wire.HEADER_BYTES
+    # what this rank moved through the channel: the leader counts bytes it sends to each peer
+    collectives: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A host uint8 buffer for a message of ``nbytes`` (longer when the frame is)."""
+        nbytes = max(nbytes, self.frame_nbytes)
+        if self.pool is not None:
+            return self.pool.take(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def message(self, kind: Kind, step: int, plan: wire.Plan) -> tuple[torch.Tensor, Header]:
+        """Leader: ``(host buffer, header)`` of the message announcing ``kind`` with ``plan``."""
+        buf = self.buffer(wire.HEADER_BYTES + plan.nbytes)
+        wire.write_message(kind, step, plan, buf)
+        return buf, Header(kind, step, plan.nbytes, len(plan.meta))
+
+    def send_plan(self, kind: Kind, step: int, plan: wire.Plan = wire.NOTHING) -> None:
+        """Leader: build one message and send it to every member over gloo."""
+        self.send(*self.message(kind, step, plan))
+
+    def send(self, message: torch.Tensor | Sequence[torch.Tensor], header: Header) -> None:
+        """Leader: send a message (from :meth:`message`) over gloo.
+
+        With the device transport a DATA message's tensor bytes stay behind (they follow with
+        :meth:`post_data`). On a scattered channel ``message`` may be a list, the i-th for the
+        i-th member (sorted ranks), all of one size.
+        """
+        nbytes = wire.HEADER_BYTES + self.carried_nbytes(header)
+        for piece in self._pieces(nbytes):
+            if not self.scattered:
+                dist.broadcast(message[piece], src=self.leader, group=self.group)
+            else:
+                parts = [message] * len(self.ranks) if isinstance(message, torch.Tensor) else message
+                # the leader receives its own part into scratch space: its message stays as it is
+                scratch = self.buffer(piece.stop - piece.start)[: piece.stop - piece.start]
+                dist.scatter(scratch, [m[piece] for m in parts], src=self.leader, group=self.group)
+            self._count(piece.stop - piece.start)
+        self.frame_nbytes = nbytes
+
+    def carried_nbytes(self, header: Header) -> int:
+        """How many payload bytes of the message ``header`` announces travel over gloo."""
+        if self.data_group is None or header.kind != Kind.DATA:
+            return header.payload_nbytes
+        return min(header.payload_nbytes, wire.data_start(header.meta_nbytes))
+
+    def _pieces(self, nbytes: int) -> list[slice]:
+        frame = self.frame_nbytes
+        return [slice(0, frame)] + ([slice(frame, nbytes)] if nbytes > frame else [])
+
+    def _count(self, nbytes: int) -> None:
+        self.collectives += 1
+        if dist.get_rank() == self.leader:
+            self.bytes_sent += nbytes * (len(self.ranks) - 1)
+        else:
+            self.bytes_received += nbytes
+
+    def recv(self, max_payload_bytes: int) -> tuple[Header, torch.Tensor]:
+        """Members: the next message's header and the payload bytes that came over gloo (a view of
+        the received buffer: the whole payload, or with the device transport a DATA message's
+        description only).
+
+        Raises :class:`~collective_loader.errors.WireError` for a header that does not decode or
+        announces more than ``max_payload_bytes``.
+        """
+        frame = self.frame_nbytes
+        buf = self.buffer(frame)
+        self._recv_into(buf[:frame])
+        header = Header.decode(buf[: wire.HEADER_BYTES].view(torch.int64), max_payload_bytes)
+        nbytes = wire.HEADER_BYTES + self.carried_nbytes(header)
+        if nbytes > frame:
+            whole = self.buffer(nbytes)
+            whole[:frame].copy_(buf[:frame])
+            self._recv_into(whole[frame:nbytes])
+            buf = whole
+        self.frame_nbytes = nbytes
+        return header, buf[wire.HEADER_BYTES : nbytes]
+
+    def _recv_into(self, buf: torch.Tensor) -> None:
+        if self.scattered:
+            dist.scatter(buf, None, src=self.leader, group=self.group)
+        else:
+            dist.broadcast(buf, src=self.leader, group=self.group)
+        self._count(buf.numel())
+
+    def post_data(self, data: torch.Tensor | Sequence[torch.Tensor]) -> dist.Work:
+        """Device transport, training thread only: start moving one message's tensor bytes.
+
+        The leader passes its bytes (one tensor, or one per member on a scattered channel),
+        members the tensor to receive into. Returns the collective's work; ``wait()`` on it
+        makes the caller's stream wait (NCCL) or blocks until it is done (gloo).
+        """
+        assert self.data_group is not None
+        if self.scattered:
+            if dist.get_rank() == self.leader:
+                parts = list(data)
+                work = dist.scatter(torch.empty_like(parts[0]), parts, src=self.leader, group=self.data_group, async_op=True)
+                nbytes = parts[0].numel()
+            else:
+                work = dist.scatter(data, None, src=self.leader, group=self.data_group, async_op=True)
+                nbytes = data.numel()
+        else:
+            work = dist.broadcast(data, src=self.leader, group=self.data_group, async_op=True)
+            nbytes = data.numel()
+        self._count(nbytes)
+        return work
+
+
+@dataclass
+class Groups:
+    """The groups this rank belongs to; built by :func:`build_groups`."""
+
+    control: dist.ProcessGroup  # gloo, every mesh rank
+    leaders: dist.ProcessGroup | None  # gloo, the replicas' leaders (dp > 1, leaders only)
+    channels: dict[str, Channel]  # this rank's delivery groups by name (first / last / middle)
+    replica: Channel  # gloo, this rank's whole replica: the leader shares the loader's state
+    count: int  # groups created by every rank
+
+
+def build_groups(
+    control: dist.ProcessGroup,
+    layout: MeshLayout,
+    place: Place,
+    device: torch.device,
+    transport: Transport,
+    timeout: float,
+    scatter: bool,
+    buffers_per_channel: int,
+    middle_data: bool,
+) -> Groups:
+    """Create every group the loader needs but ``control``. Must be called by every rank, in the
+    same order.
+
+    ``device``: where batches land (pinned host buffers when it is a GPU); ``transport``: whether
+    tensor bytes also get groups of ``device``'s backend; ``scatter``: the delivery channels that
+    carry data scatter; ``buffers_per_channel``: how many host buffers each delivery channel
+    keeps for reuse; ``middle_data``: whether middle stages get data (``every_stage`` keys) or
+    only headers.
+
+    The device groups' communicators are created here, on the constructing thread, by one small
+    collective each in creation order (NCCL creates them lazily on their first collective
+    otherwise, which would then happen inside the training loop's first step).
+    """
+    pin = device.type == "cuda"
+    count = 1  # the control group (see control_group)
+
+    def make(ranks: Sequence[int], backend: str, desc: str) -> dist.ProcessGroup | None:
+        nonlocal count
+        count += 1
+        return new_group(ranks, backend, timeout, f"collective_loader:{desc}")
+
+    leader_ranks = layout.leaders()
+    leaders = make(sorted(leader_ranks), "gloo", "leaders") if len(leader_ranks) > 1 else None
+    channels: dict[str, Channel] = {}
+    mine: Channel | None = None
+    warm: list[tuple[dist.ProcessGroup, int]] = []
+    for replica in layout.replica_groups():
+        group = make(replica.ranks, "gloo", f"replica{replica.dp_rank}")
+        if group is not None:
+            mine = Channel("replica", replica.ranks, replica.leader, group)
+        for name, ranks in replica.all():
+            data = name != "middle" or middle_data
+            group = make(ranks, "gloo", f"{name}{replica.dp_rank}")
+            data_group = None
+            if transport == "device" and data:
+                data_group = make(ranks, device_backend(device), f"{name}{replica.dp_rank}_data")
+                if data_group is not None:
+                    warm.append((data_group, replica.leader))
+            if group is not None:
+                pool = BufferPool(buffers_per_channel, pin=pin) if data else None
+                channels[name] = Channel(name, ranks, replica.leader, group, scatter and data, pool, data, data_group)
+    for group, leader in warm:
+        dist.broadcast(torch.zeros(1, device=device), src=leader, group=group)
+    assert mine is not None
+    return Groups(control, leaders, channels, mine, count)

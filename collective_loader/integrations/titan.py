@@ -1,0 +1,119 @@
+"""TorchTitan: a dataloader its trainer can use where it expects a ``BaseDataLoader``.
+
+TorchTitan 0.3's trainer runs ``post_dataloading_process(input_dict, labels)`` on every rank,
+every pipeline stage included: it reads ``input_dict["input"]`` there, passes the other
+``input_dict`` keys (``positions``, ...) as forward kwargs to *every* stage, and counts tokens
+with ``labels.numel()``. So :class:`TitanDataLoader` delivers every key to every stage
+(``every_stage``). That costs the input and label bytes on stages that do not consume them,
+one int64 per token and key, small next to a stage's activations. Context parallelism is the
+trainer's job too (``prepare_context_parallel_input``), so sequences arrive whole on cp ranks.
+
+For TorchTitan's own Trainer, chosen on the command line (``--module collective_loader.integrations.titan_configs``),
+see :mod:`collective_loader.integrations.titan_configs`; this module does not import torchtitan.
+
+Its state is in TorchTitan's per-DP-rank form, ``{"dp_rank_<i>": ..., "world_size": dp_size}``.
+The entry is one opaque leaf, as in TorchTitan, because ``torch.distributed.checkpoint`` (DCP)
+loads into the structure that a fresh ``state_dict()`` returns. A nested entry there would be
+``{"source": None, ...}`` and would not match a saved ``{"source": {...}}``. The leaf is
+written with ``torch.save`` and read back with ``torch.load(weights_only=True)``, which rebuilds
+only tensors and plain containers.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from collective_loader.loader import CollectiveLoader
+
+# options that would contradict what TorchTitan's trainer expects of its dataloader
+REFUSED = {
+    "seq_dims": "TorchTitan's trainer splits the sequence over cp itself (prepare_context_parallel_input)",
+    "every_stage": "every key already goes to every stage",
+}
+
+
+def split_labels(batch: Mapping[str, Any], labels: str = "labels") -> tuple[dict[str, Any], torch.Tensor]:
+    """TorchTitan's ``(input_dict, labels)`` from one delivered batch.
+
+    >>> split_labels({"input": torch.tensor([[5, 6]]), "labels": torch.tensor([[6, 7]])})
+    ({'input': tensor([[5, 6]])}, tensor([[6, 7]]))
+    """
+    input_dict = {key: value for key, value in batch.items() if key != labels}
+    return input_dict, batch[labels]
+
+
+class TitanDataLoader:
+    """Yields ``(input_dict, labels)`` on every rank of the mesh. It is ``Stateful``, so it can
+    go into TorchTitan's checkpoints.
+
+    ``source`` yields mappings holding the ``inputs`` keys and ``labels``, e.g. TorchTitan's
+    ``{"input": tokens, "positions": ...}`` plus ``"labels"``. It is built on one leader per
+    data-parallel replica (pass a callable); partition it by the replica's
+    ``collective_loader.mesh_place(mesh, rank)``. ``options`` pass through to
+    :class:`~collective_loader.CollectiveLoader` (``timeout``, ``roles``, ``prefetch``, ...).
+
+    Example (every rank; ``mesh`` from TorchTitan's ``ParallelDims``)::
+
+        mesh = parallel_dims.get_optional_mesh(["pp", "batch", "cp", "tp"], include_singleton_axes=True)
+        dataloader = TitanDataLoader(lambda: StatefulDataLoader(dataset, batch_size=8), mesh)
+        for input_dict, labels in dataloader:   # every stage: {"input": ...}, labels
+            ...
+        dcp.save({"dataloader": dataloader}, checkpoint_id=path)
+    """
+
+    def __init__(
+        self,
+        source: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Mapping[str, Any]]],
+        mesh: Any,
+        *,
+        inputs: tuple[str, ...] = ("input",),
+        labels: str = "labels",
+        **options: Any,
+    ) -> None:
+        refused = sorted(set(options) & set(REFUSED))
+        if refused:
+            name = refused[0]
+            raise ValueError(f"TitanDataLoader takes no {name}=: {REFUSED[name]}; use CollectiveLoader for other routing")
+        self.labels = labels
+        self.loader = CollectiveLoader(source, mesh, inputs=(), labels=(), every_stage=(*inputs, labels), **options)
+        # the names TorchTitan's ParallelAwareDataloader uses
+        self.dp_rank, self.dp_world_size = self.loader.dp_rank, self.loader.dp_size
+        self._rank_id = f"dp_rank_{self.dp_rank}"
+
+    def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+        for batch in self.loader:
+            yield split_labels(batch, self.labels)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"dp_rank_<i>": bytes, "world_size": dp_size}``; call on every rank after the same step."""
+        buffer = io.BytesIO()
+        torch.save(self.loader.state_dict(), buffer)
+        return {self._rank_id: buffer.getvalue(), "world_size": self.dp_world_size}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume at the next ``iter()``; call on every rank.
+
+        As in TorchTitan, an empty state starts afresh, and a state without this DP rank's entry
+        warns and starts afresh. Another DP degree raises ``ValueError`` on every rank (it is
+        checked first, so no rank goes on alone).
+        """
+        if not state_dict:
+            return
+        if state_dict.get("world_size") != self.dp_world_size:
+            raise ValueError(
+                f"the dataloader state was saved with world_size={state_dict.get('world_size')!r} data-parallel ranks "
+                f"and this run has {self.dp_world_size}; the per-DP-rank state cannot be re-partitioned: resume with "
+                "the same DP degree, or start the dataloader afresh"
+            )
+        if self._rank_id not in state_dict:
+            warnings.warn(f"dataloader state has no entry {self._rank_id!r}: starting from the beginning", stacklevel=2)
+            return
+        self.loader.load_state_dict(torch.load(io.BytesIO(state_dict[self._rank_id]), weights_only=True))
+
+    def close(self) -> None:
+        """Stop the loader's transfers; call on every rank before ``destroy_process_group()``."""
+        self.loader.close()

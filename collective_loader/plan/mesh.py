@@ -1,0 +1,328 @@
+"""Mesh dims -> roles -> every rank's place and the rank lists of every delivery group.
+
+Pure logic: nothing here talks to ``torch.distributed``, so it can be tested without processes.
+
+Vocabulary (see the README's role table):
+
+* a *data* dim splits the global batch; ranks that share all data-dim coordinates form a *replica*;
+* the *pipeline* dim (at most one) orders the stages of a replica;
+* a *replicate* dim gets identical copies;
+* a *shard* dim gets one slice of every sequence key; several shard dims compose in mesh order
+  (the outermost splits first).
+
+The *leader* of a replica is its rank with coordinate 0 on every non-data dim except the
+pipeline dim, where it is ``dp_rank * pp // dp`` (``placement="spread"``, the default): consecutive
+replicas' leaders sit on the same stage and the leaders cover the stages, so the loading spreads
+over the stages' nodes. With ``placement="first_stage"`` the pipeline coordinate is 0 as well: every
+leader on the first stage. The leader is the only rank that loads data. Per replica there are up to three delivery groups, each a sorted tuple of global
+ranks that contains the leader:
+
+* ``first``: the leader and every rank of the first pipeline stage (with one stage: the replica);
+* ``last``: the leader and every rank of the last stage, when there are two stages or more;
+* ``middle``: the leader and every rank of the stages in between, when there are three or more.
+  These ranks receive the ``every_stage`` keys when there are any, else only the fixed-size
+  header (step boundaries, end of data, errors).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Mapping, Sequence
+
+if TYPE_CHECKING:  # pure module: the mesh is only read, never needed at import
+    from torch.distributed.device_mesh import DeviceMesh
+
+Role = Literal["data", "pipeline", "replicate", "shard"]
+ROLES: tuple[Role, ...] = ("data", "pipeline", "replicate", "shard")
+# where each replica's leader sits: on the first pipeline stage, or spread over the stages in
+# blocks of consecutive dp_ranks (so the loading spreads over the stages' nodes)
+Placement = Literal["first_stage", "spread"]
+PLACEMENTS: tuple[Placement, ...] = ("first_stage", "spread")
+DEFAULT_PLACEMENT: Placement = "spread"
+
+DEFAULT_ROLES: dict[str, Role] = {
+    "dp": "data",
+    "dp_replicate": "data",
+    "dp_shard": "data",
+    "batch": "data",
+    "fsdp": "data",
+    "pp": "pipeline",
+    "tp": "replicate",
+    "cp": "shard",
+    "sp": "shard",
+}
+
+
+@dataclass(frozen=True)
+class ReplicaGroups:
+    """The groups of one replica (sorted global ranks, leader included).
+
+    ``ranks`` is the whole replica (used to share the loader's state at checkpoint time);
+    ``first``, ``last`` and ``middle`` are the delivery groups.
+    """
+
+    dp_rank: int
+    leader: int
+    ranks: tuple[int, ...]
+    first: tuple[int, ...]
+    last: tuple[int, ...] | None
+    middle: tuple[int, ...] | None
+
+    def all(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, ranks)`` of the delivery groups that exist, in the order they are created."""
+        named = [("first", self.first), ("last", self.last), ("middle", self.middle)]
+        return [(name, ranks) for name, ranks in named if ranks is not None]
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank sits in the mesh and what it needs.
+
+    ``shard`` lists ``(size, index)`` for every shard dim in mesh order (outermost first).
+    ``stage`` is one of ``"first"``, ``"last"``, ``"both"`` (one stage) or ``"middle"``.
+    """
+
+    rank: int
+    coords: tuple[int, ...]
+    dp_rank: int
+    dp_size: int
+    leader: int
+    pp_rank: int
+    pp_size: int
+    shard: tuple[tuple[int, int], ...]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def stage(self) -> str:
+        if self.pp_size == 1:
+            return "both"
+        if self.is_first_stage:
+            return "first"
+        if self.is_last_stage:
+            return "last"
+        return "middle"
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Roles of a mesh's dims and the arithmetic on its coordinates.
+
+    ``ranks`` holds the mesh's global ranks in row-major order of ``shape``.
+
+    Example::
+
+        >>> layout = MeshLayout.build(("pp", "dp", "tp"), (2, 2, 2), range(8))
+        >>> layout.place(5).dp_rank, layout.place(5).leader, layout.place(5).stage
+        (0, 0, 'last')
+        >>> layout.replica_groups()[0].last
+        (0, 4, 5)
+        >>> layout.leaders()  # "spread": replica 1's leader is on the last stage
+        (0, 6)
+        >>> layout.replica_groups()[1].first  # ... and sends the first stage its inputs
+        (2, 3, 6)
+    """
+
+    dim_names: tuple[str, ...]
+    shape: tuple[int, ...]
+    roles: tuple[Role, ...]
+    ranks: tuple[int, ...]
+    placement: Placement = DEFAULT_PLACEMENT
+
+    @classmethod
+    def build(
+        cls,
+        dim_names: Sequence[str],
+        shape: Sequence[int],
+        ranks: Sequence[int],
+        roles: Mapping[str, str] | None = None,
+        placement: str = DEFAULT_PLACEMENT,
+    ) -> "MeshLayout":
+        """Check the mesh description and assign a role to every dim.
+
+        ``roles`` overrides the defaults of :data:`DEFAULT_ROLES` for any dim name;
+        ``placement`` says where the leaders sit (:data:`Placement`).
+        """
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        dim_names = tuple(dim_names)
+        shape = tuple(int(s) for s in shape)
+        ranks = tuple(int(r) for r in ranks)
+        if len(dim_names) != len(shape):
+            raise ValueError(f"mesh has {len(shape)} dims but {len(dim_names)} names: {dim_names}")
+        if len(set(dim_names)) != len(dim_names):
+            raise ValueError(f"mesh dim names must be unique, got {dim_names}")
+        if any(s < 1 for s in shape):
+            raise ValueError(f"mesh dims must have size >= 1, got shape {shape}")
+        if len(ranks) != math.prod(shape):
+            raise ValueError(f"mesh of shape {shape} needs {math.prod(shape)} ranks, got {len(ranks)}")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"mesh lists a rank twice: {ranks}")
+        overrides = dict(roles or {})
+        unknown_override = sorted(set(overrides) - set(dim_names))
+        if unknown_override:
+            raise ValueError(f"roles= names dims {unknown_override} that are not in the mesh {dim_names}")
+        resolved: list[Role] = []
+        for name in dim_names:
+            role = overrides.get(name, DEFAULT_ROLES.get(name))
+            if role is None:
+                raise ValueError(
+                    f"mesh dim {name!r} has no default role; pass roles={{{name!r}: ...}} with one of {ROLES}"
+                )
+            if role not in ROLES:
+                raise ValueError(f"role {role!r} for dim {name!r} is not one of {ROLES}")
+            resolved.append(role)  # type: ignore[arg-type]
+        if resolved.count("pipeline") > 1:
+            pipes = [n for n, r in zip(dim_names, resolved) if r == "pipeline"]
+            raise ValueError(f"at most one pipeline dim is supported, got {pipes}")
+        return cls(dim_names, shape, tuple(resolved), ranks, placement)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_mesh(
+        cls, mesh: DeviceMesh, roles: Mapping[str, str] | None = None, placement: str = DEFAULT_PLACEMENT
+    ) -> "MeshLayout":
+        """The layout of a ``torch.distributed.device_mesh.DeviceMesh`` (needs named dims)."""
+        if mesh.mesh_dim_names is None:
+            raise ValueError("the DeviceMesh needs named dims (mesh_dim_names=...)")
+        return cls.build(mesh.mesh_dim_names, tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist(), roles, placement)
+
+    # --- coordinates -------------------------------------------------------------------------
+
+    @functools.cached_property
+    def _flat_index(self) -> dict[int, int]:
+        return {rank: i for i, rank in enumerate(self.ranks)}
+
+    def _dims(self, role: Role) -> list[int]:
+        return [i for i, r in enumerate(self.roles) if r == role]
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Coordinates of a global rank in the mesh."""
+        flat = self._flat_index.get(rank)
+        if flat is None:
+            raise ValueError(f"rank {rank} is not in the mesh (ranks {self.ranks})")
+        out = []
+        for size in reversed(self.shape):
+            out.append(flat % size)
+            flat //= size
+        return tuple(reversed(out))
+
+    def rank_at(self, coords: Sequence[int]) -> int:
+        flat = 0
+        for c, size in zip(coords, self.shape):
+            flat = flat * size + c
+        return self.ranks[flat]
+
+    @property
+    def dp_size(self) -> int:
+        return math.prod(self.shape[i] for i in self._dims("data"))
+
+    @property
+    def pp_size(self) -> int:
+        dims = self._dims("pipeline")
+        return self.shape[dims[0]] if dims else 1
+
+    def _dp_rank(self, coords: Sequence[int]) -> int:
+        dp = 0
+        for i in self._dims("data"):
+            dp = dp * self.shape[i] + coords[i]
+        return dp
+
+    def place(self, rank: int) -> Place:
+        """The place of ``rank``: replica, leader, stage and shard coordinates."""
+        coords = self.coords(rank)
+        pipe = self._dims("pipeline")
+        at = [c if r == "data" else 0 for c, r in zip(coords, self.roles)]
+        if self.placement == "spread" and pipe:
+            at[pipe[0]] = self._dp_rank(coords) * self.pp_size // self.dp_size
+        leader = self.rank_at(at)
+        return Place(
+            rank=rank,
+            coords=coords,
+            dp_rank=self._dp_rank(coords),
+            dp_size=self.dp_size,
+            leader=leader,
+            pp_rank=coords[pipe[0]] if pipe else 0,
+            pp_size=self.pp_size,
+            shard=tuple((self.shape[i], coords[i]) for i in self._dims("shard")),
+        )
+
+    # --- groups ------------------------------------------------------------------------------
+
+    def replica_ranks(self, dp_rank: int) -> list[int]:
+        """All ranks of one replica, in mesh order."""
+        return [r for r in self.ranks if self.place(r).dp_rank == dp_rank]
+
+    def replica_groups(self) -> list[ReplicaGroups]:
+        """The delivery groups of every replica, ordered by dp_rank."""
+        buckets: dict[int, dict[str, set[int]]] = {}
+        leaders: dict[int, int] = {}
+        for rank in self.ranks:
+            place = self.place(rank)
+            key = "first" if place.stage in ("first", "both") else place.stage
+            buckets.setdefault(place.dp_rank, {"first": set(), "last": set(), "middle": set()})[key].add(rank)
+            leaders[place.dp_rank] = place.leader
+        pp = self.pp_size
+        return [
+            ReplicaGroups(
+                dp_rank=dp,
+                leader=leaders[dp],
+                ranks=tuple(sorted(members["first"] | members["last"] | members["middle"])),
+                first=tuple(sorted(members["first"] | {leaders[dp]})),
+                last=tuple(sorted(members["last"] | {leaders[dp]})) if pp > 1 else None,
+                middle=tuple(sorted(members["middle"] | {leaders[dp]})) if pp > 2 else None,
+            )
+            for dp, members in sorted(buckets.items())
+        ]
+
+    def leaders(self) -> tuple[int, ...]:
+        """Leader ranks ordered by dp_rank."""
+        return tuple(g.leader for g in self.replica_groups())
+
+    def shard_dims(self) -> tuple[tuple[str, int], ...]:
+        """``(name, size)`` of the shard dims, outermost first."""
+        return tuple((n, s) for n, s, r in zip(self.dim_names, self.shape, self.roles) if r == "shard")
+
+    def describe(self) -> str:
+        """One line naming every dim with its size and role, e.g. ``pp=2(pipeline) dp=2(data)``."""
+        return " ".join(f"{n}={s}({r})" for n, s, r in zip(self.dim_names, self.shape, self.roles))
+
+
+def group_count(dp: int, pp: int, transport: str = "host", middle_data: bool = False) -> int:
+    """Process groups one loader creates on a mesh with ``dp`` replicas and ``pp`` stages.
+
+    One control group over the whole mesh, one group of the leaders when ``dp > 1``, and per
+    replica one group of the whole replica (state at checkpoint time) and one per destination
+    (first stage, last stage, middle stages), all gloo. The ``"device"`` transport adds, per
+    replica, a group of the mesh device's backend for each destination that gets tensors (middle
+    stages only with ``middle_data``, i.e. ``every_stage`` keys).
+
+    >>> group_count(dp=128, pp=16)
+    514
+    >>> group_count(dp=128, pp=16, transport="device")
+    770
+    """
+    destinations = 1 + (pp > 1) + (pp > 2)
+    data_groups = (1 + (pp > 1) + (pp > 2 and middle_data)) if transport == "device" else 0
+    return 1 + (dp > 1) + dp * (1 + destinations + data_groups)
+
+
+def mesh_place(mesh: DeviceMesh, rank: int, roles: Mapping[str, str] | None = None, placement: str = DEFAULT_PLACEMENT) -> Place:
+    """Where ``rank`` sits in ``mesh``: its dp_rank, dp_size, leader and stage.
+
+    Handy for a source that must know its replica before the loader exists, e.g.
+    ``place = mesh_place(mesh, dist.get_rank())`` then ``DistributedSampler(ds, place.dp_size,
+    place.dp_rank)``.
+    """
+    return MeshLayout.from_mesh(mesh, roles, placement).place(rank)

@@ -1,0 +1,130 @@
+"""Which keys each stage gets and which piece of them each rank keeps.
+
+Pure logic over batches (mappings of str to tensors and plain values); no communication.
+
+* keys in ``inputs`` go to the first pipeline stage, keys in ``labels`` to the last stage (a key
+  may be in both), keys in ``every_stage`` to every stage, middle ones included (packed-sequence
+  metadata such as ``cu_seqlens``, which every layer's attention reads); with one stage every
+  rank gets all keys, middle stages get only the ``every_stage`` keys;
+* keys in ``seq_dims`` are split along that dim over the shard dims (see
+  :mod:`collective_loader.plan.sharding`); every other key is replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from collective_loader.errors import BatchError
+from collective_loader.plan import sharding
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What goes where. ``shard_dims`` lists ``(name, size)`` of the shard dims, outermost first;
+    ``every_stage`` lists the keys every pipeline stage receives.
+
+    Example::
+
+        >>> r = Routing(("ids",), ("labels",), {"ids": 1, "labels": 1}, "contiguous", (("cp", 2),))
+        >>> batch = {"ids": torch.arange(8).view(2, 4), "labels": torch.arange(8).view(2, 4)}
+        >>> r.piece(r.select(batch, "first"), [(2, 1)])
+        {'ids': tensor([[2, 3],
+                [6, 7]])}
+    """
+
+    inputs: tuple[str, ...]
+    labels: tuple[str, ...]
+    seq_dims: Mapping[str, int]
+    split: sharding.Split
+    shard_dims: tuple[tuple[str, int], ...] = field(default=())
+    every_stage: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in ("inputs", "labels", "every_stage"):
+            keys = getattr(self, name)
+            if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+                raise TypeError(f"{name} must be a sequence of str keys, got {keys!r}")
+            object.__setattr__(self, name, tuple(keys))
+        if not self.inputs and not self.labels and not self.every_stage:
+            raise ValueError("inputs, labels and every_stage are all empty: nothing would be delivered")
+        twice = sorted(set(self.every_stage) & (set(self.inputs) | set(self.labels)))
+        if twice:
+            raise ValueError(
+                f"keys {twice} are in every_stage and also in inputs or labels; every_stage already "
+                "reaches the first and last stages, so list them there only"
+            )
+        unknown = sorted(set(self.seq_dims) - set(self.keys))
+        if unknown:
+            raise ValueError(f"seq_dims names keys {unknown} that are in none of inputs, labels and every_stage")
+        for key, dim in self.seq_dims.items():
+            if not isinstance(dim, int) or isinstance(dim, bool):
+                raise TypeError(f"seq_dims[{key!r}] must be an int dim, got {dim!r}")
+        sharding.divisor([], self.split)  # validates the split name
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.inputs + self.labels + self.every_stage))
+
+    def check(self, batch: Any) -> None:
+        """Raise :class:`BatchError` unless ``batch`` can be delivered whole to every rank."""
+        if not isinstance(batch, Mapping):
+            raise BatchError(f"a batch must be a mapping of str to tensors, got {type(batch).__qualname__}")
+        missing = [k for k in self.keys if k not in batch]
+        if missing:
+            raise BatchError(f"batch is missing keys {missing} (it has {sorted(map(str, batch))})")
+        extra = [k for k in batch if k not in self.keys]
+        if extra:
+            raise BatchError(
+                f"batch has keys {extra} that are in none of inputs={self.inputs}, labels={self.labels} and "
+                f"every_stage={self.every_stage}; list each key a stage needs, or drop it in the source"
+            )
+        for key, dim in self.seq_dims.items():
+            _check_seq_value(key, dim, batch[key])
+        need = sharding.divisor([(size, 0) for _, size in self.shard_dims], self.split)
+        if need == 1:  # nothing is split: any length will do
+            return
+        over = " x ".join(f"{n}={s}" for n, s in self.shard_dims)
+        for key, dim in self.seq_dims.items():
+            length = batch[key].shape[dim]
+            if length % need:
+                raise BatchError(
+                    f"key {key!r} has length {length} along dim {dim}; the {self.split} split over {over} "
+                    f"needs a multiple of {need}"
+                )
+
+    def select(self, batch: Mapping[str, Any], stage: str) -> dict[str, Any]:
+        """The keys a stage (``first``, ``last``, ``both``, ``middle``) receives, in batch order."""
+        wanted = {
+            "first": self.inputs + self.every_stage,
+            "last": self.labels + self.every_stage,
+            "both": self.keys,
+            "middle": self.every_stage,
+        }[stage]
+        return {k: v for k, v in batch.items() if k in wanted}
+
+    def piece(self, selected: Mapping[str, Any], levels: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """The part of ``selected`` a rank at shard ``levels`` keeps; other keys pass through."""
+        if not levels or all(size == 1 for size, _ in levels):
+            return dict(selected)
+        return {
+            k: sharding.shard(v, self.seq_dims[k], levels, self.split) if k in self.seq_dims else v
+            for k, v in selected.items()
+        }
+
+
+def _check_seq_value(key: str, dim: int, value: Any) -> None:
+    """Refuse a ``seq_dims`` value that has no ``dim``, whatever the shard size: a batch that
+    works at cp=1 must not start failing when the same job runs at cp=2."""
+    if not isinstance(value, torch.Tensor):
+        raise BatchError(
+            f"seq_dims[{key!r}] = {dim} needs a tensor, but the batch holds a {type(value).__qualname__} there; "
+            f"make {key!r} a tensor in the source or drop it from seq_dims"
+        )
+    if not -value.dim() <= dim < value.dim():
+        raise BatchError(
+            f"seq_dims[{key!r}] = {dim}, but {key!r} has shape {tuple(value.shape)}; "
+            f"give the dim of {key!r} that holds the sequence"
+        )

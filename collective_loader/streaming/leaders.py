@@ -1,0 +1,166 @@
+"""The world streaming sees on the leaders: their environment, and its barriers over their group.
+
+Streaming facts this relies on (mosaicml-streaming 0.13): ``World.detect()`` reads ``RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` (and ``LOCAL_RANK``) when the dataset is built; the
+constructor calls the default group's ``torch.distributed.barrier()`` three times; iteration
+makes no ``torch.distributed`` calls. So, while constructing, the environment holds the leaders'
+world and ``torch.distributed.barrier`` runs over a group of the leaders; both are restored
+afterwards, also when construction raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch.distributed as dist
+
+from collective_loader.delivery.agreement import agree_outcome
+from collective_loader.errors import LeaderError
+from collective_loader.plan.wire import Kind
+
+Failure = Callable[[int, str], Exception]  # (failing rank, its error's text) -> what the others raise
+
+
+def leader_env(leaders: Sequence[int], dp_rank: int, local_world_size: int) -> dict[str, str]:
+    """The environment streaming must see on the leader of replica ``dp_rank``.
+
+    ``leaders`` are the leaders' global ranks ordered by dp_rank; a global rank's node is
+    ``rank // local_world_size`` (torchrun's numbering). Streaming assumes every node holds the
+    same number of its ranks and that its ranks are numbered node by node, so the leaders must
+    be spread evenly over the nodes that hold any, with consecutive dp_ranks per node.
+
+    >>> leader_env([0, 8], 1, local_world_size=8)  # one leader on each of two nodes
+    {'RANK': '1', 'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '1', 'LOCAL_RANK': '0'}
+    """
+    nodes: dict[int, list[int]] = {}
+    for dp, rank in enumerate(leaders):
+        nodes.setdefault(rank // local_world_size, []).append(dp)
+    per_node = {len(dps) for dps in nodes.values()}
+    if len(per_node) != 1:
+        counts = {node: len(dps) for node, dps in sorted(nodes.items())}
+        raise ValueError(
+            f"data-parallel leaders are spread unevenly over nodes ({counts} leaders per node); streaming "
+            "needs the same number on every node that holds one: put the data dims of the mesh outermost "
+            "or innermost, or give StreamingSource and CollectiveLoader the other placement= (\"spread\", "
+            "the default, puts replica d's leader on pipeline stage d * pp // dp; \"first_stage\" puts "
+            "every leader on the first stage)"
+        )
+    count = per_node.pop()
+    for index, (node, dps) in enumerate(sorted(nodes.items())):
+        if dps != list(range(index * count, (index + 1) * count)):
+            raise ValueError(
+                f"the leaders on node {node} are dp_ranks {dps}; streaming needs consecutive dp_ranks per node "
+                f"({list(range(index * count, (index + 1) * count))})"
+            )
+    return {
+        "RANK": str(dp_rank),
+        "WORLD_SIZE": str(len(leaders)),
+        "LOCAL_WORLD_SIZE": str(count),
+        "LOCAL_RANK": str(dp_rank % count),
+    }
+
+
+class _LeadersBarrier:
+    """Sends streaming's group-less ``barrier()`` calls, and only those, to the leaders' group.
+
+    Streaming looks ``torch.distributed.barrier`` up on the module at call time, so the module
+    attribute must change, and every thread sees it. The redirection is therefore per thread
+    (only a thread inside :meth:`scope`) and per call (only a call without a group): another
+    thread's barrier, or one on an explicit group, reaches the real barrier unchanged. One
+    wrapper stays installed while any thread is inside a scope, so scopes that overlap in several
+    threads put back the real barrier, not each other's wrapper.
+
+    Each redirected barrier is an agreement (:func:`~collective_loader.delivery.agreement.agree_outcome`), and a
+    scope ends with one more: a leader whose construction raises posts its error as that
+    agreement instead, so the other leaders, waiting in their next barrier or at the end, raise
+    :class:`~collective_loader.errors.LeaderError` with its message at once rather than at the
+    timeout. Every leader runs the same barriers, so the agreements match.
+    """
+
+    _OFF = object()  # this thread is in no scope
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._scopes = 0
+        self._real: Callable[..., Any] = dist.barrier
+        self._target = threading.local()
+
+    @contextlib.contextmanager
+    def scope(self, group: dist.ProcessGroup | None, failed: Failure) -> Iterator[None]:
+        """Inside, this thread's group-less barriers run over ``group`` (no-ops without one);
+        when a member fails inside its scope, the others raise ``failed(rank, text)``."""
+        with self._lock:
+            if self._scopes == 0:
+                self._real = dist.barrier
+                dist.barrier = self._barrier
+            self._scopes += 1
+        outer = (
+            getattr(self._target, "group", self._OFF), getattr(self._target, "settled", False),
+            getattr(self._target, "failed", None),
+        )
+        self._target.group, self._target.settled, self._target.failed = group, False, failed
+        try:
+            yield
+        except Exception as e:
+            if group is not None and not self._target.settled:  # the others wait to hear from us
+                with contextlib.suppress(RuntimeError):
+                    agree_outcome(group, Kind.PHASE_ERROR, f"{type(e).__name__}: {e}")
+            raise
+        else:
+            if group is not None:
+                self._agree(group)
+        finally:
+            self._target.group, self._target.settled, self._target.failed = outer
+            with self._lock:
+                self._scopes -= 1
+                if self._scopes == 0:
+                    dist.barrier = self._real
+
+    def _barrier(self, *args: Any, **kwargs: Any) -> Any:
+        target = getattr(self._target, "group", self._OFF)
+        explicit = (args[0] if args else kwargs.get("group")) is not None
+        if target is self._OFF or explicit:
+            return self._real(*args, **kwargs)
+        if target is None:  # one leader: nobody to wait for
+            return None
+        self._agree(target)
+        return None
+
+    def _agree(self, group: dist.ProcessGroup) -> None:
+        kind, message, origin = agree_outcome(group, Kind.DATA, "")
+        if kind != Kind.DATA:
+            self._target.settled = True  # the failing member has spoken: no more agreements
+            raise self._target.failed(origin, message)
+
+
+_leaders_barrier = _LeadersBarrier()
+
+
+def _leader_failed(origin: int, text: str) -> Exception:
+    return LeaderError(f"leader rank {origin} failed while the leaders built their datasets: {text}")
+
+
+@contextlib.contextmanager
+def leaders_world(
+    env: Mapping[str, str], group: dist.ProcessGroup | None, failed: Failure = _leader_failed
+) -> Iterator[None]:
+    """Inside: ``os.environ`` holds ``env``, and this thread's group-less
+    ``torch.distributed.barrier()`` calls (streaming's) run over ``group`` (no-ops without one),
+    each an agreement: when a member raises inside, the others raise ``failed(rank, text)`` at
+    their next barrier or at the end. Other threads' barriers and barriers on an explicit group
+    are not touched. Restored on exit, also on an exception. The environment is the process's:
+    build one dataset at a time."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with _leaders_barrier.scope(group, failed):
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

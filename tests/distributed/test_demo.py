@@ -1,0 +1,200 @@
+"""The main job runs end to end: its own local world, and under torchrun; with --remote only the
+leaders fetch from the S3 endpoint; its verdict fails on a wrong epoch; a bad --mesh (or --remote
+where it cannot run) is refused before any rank starts."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collective_loader.demo import (
+    INPUTS,
+    LABELS,
+    SEQ_DIMS,
+    expected,
+    parse_mesh,
+    verdicts,
+)
+from collective_loader.plan.mesh import MeshLayout
+from collective_loader.plan.routing import Routing
+from collective_loader.testing import invariants
+
+FAILING_DEMO = Path(__file__).resolve().parents[1] / "support" / "failing_demo.py"
+
+
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_demo_default_shows_the_naive_mismatch_and_ours_clean():
+    out = _run([sys.executable, "-m", "collective_loader", "demo", "--samples", "96"])
+    assert "all checks passed" in out and out.count("[ok]") == 5
+    assert re.search(r"naive, every rank builds StreamingDataset\(replication=2\): 100\.0%", out), out
+    assert re.search(r"collective_loader: +0\.0% \(0 of \d+", out), out
+    assert "samples per replica: {0: 48, 1: 48}" in out
+
+
+@pytest.mark.parametrize("mesh", ["pp=3,dp=2", pytest.param("pp=4,dp=2", marks=pytest.mark.slow)])
+def test_demo_with_a_leader_on_a_middle_stage(mesh):
+    """The default placement puts replica 1's leader on stage 1 (a middle stage, whose batches
+    are empty): the report counts each replica's samples where they are, on its first stage."""
+    dims, shape = parse_mesh(mesh)
+    layout = MeshLayout.build(dims, shape, range(math.prod(shape)))
+    assert any(layout.place(r).stage == "middle" for r in layout.leaders())
+    out = _run([sys.executable, "-m", "collective_loader", "demo", "--mesh", mesh, "--samples", "48"])
+    assert "all checks passed" in out and out.count("[ok]") == 5, out
+    assert "samples per replica: {0: 24, 1: 24}" in out, out
+    assert re.search(r"leader, middle stage, dp_rank 1 +\{\} \(nothing: middle stage\)", out), out
+
+
+@pytest.mark.parametrize("phase, rank", [("naive", 3), pytest.param("report", 0, marks=pytest.mark.slow)])
+def test_a_rank_failing_after_the_epoch_ends_every_rank(phase, rank):
+    """One rank raises after the epoch (inside the naive run, between streaming's barriers; or in
+    rank 0's report, which test_two_nodes runs over two nodes by default): every rank says which
+    rank failed where and exits non-zero, at once (torchrun would stop them after 5 s)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "--monitor-interval", "5", str(FAILING_DEMO), phase, str(rank), "--mesh", "pp=2,dp=2", "--samples", "32",
+         "--timeout", "60"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    where = {"naive": "the naive run", "report": "the report"}[phase]
+    for r in range(4):
+        line = f"rank {r}: rank {rank} failed in {where}: KeyError: 'injected by failing_demo.py'"
+        assert line in proc.stderr or r == rank, proc.stderr
+    assert "injected by failing_demo.py" in proc.stderr
+
+
+@pytest.mark.slow  # 37-52 s; middle stages are in the default run through test_delivery
+def test_demo_local_world_with_middle_stages():
+    out = _run([sys.executable, "-m", "collective_loader", "demo", "--mesh", "pp=3,dp=1,cp=2", "--samples", "48"])
+    assert "middle stage" in out and "all checks passed" in out
+    assert out.count("[ok]") == 5
+
+
+def test_demo_under_torchrun():
+    out = _run([
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        "-m", "collective_loader", "demo", "--mesh", "pp=2,dp=2", "--samples", "32",
+    ])
+    assert "all checks passed" in out
+
+
+FETCHED = re.compile(r"^ *(\d+)  (leader)? +(\d+) requests +([\d.]+) KiB +(\d+) requests +([\d.]+) KiB$", re.M)
+
+
+@pytest.mark.timeout(180)
+def test_demo_remote_only_leaders_fetch_from_the_endpoint():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "collective_loader", "demo", "--remote", "--mesh", "pp=2,dp=2", "--samples", "32"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=170)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the demo and every rank it started
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, out + err
+    # pp=2,dp=2, default placement: replica 0's leader on the first stage (rank 0), replica 1's on the last (rank 3)
+    assert "all checks passed" in out and "[ok] in collective_loader's run only leaders [0, 3] fetched" in out, out
+    rows = {int(m[0]): (m[1] == "leader", int(m[2]), float(m[3]), int(m[4])) for m in FETCHED.findall(out)}
+    assert sorted(rows) == [0, 1, 2, 3], out
+    assert {r for r, row in rows.items() if row[0]} == {0, 3}, out
+    assert all(requests == 0 and kib == 0 for leader, requests, kib, _ in rows.values() if not leader), out
+    assert sum(requests for leader, requests, _, _ in rows.values() if leader) > 0, out
+    assert sum(naive for *_, naive in rows.values()) > 0, out  # the naive run downloaded for itself
+
+
+# --- the verdict: coverage against the dataset's own ids ---------------------------------------
+
+SEQ = 8
+
+
+def _records(plans: dict[int, list[list[int]]], shape=(2, 2, 2)) -> tuple[list[invariants.RankRecord], Routing]:
+    """What every rank of a pp x dp x cp mesh gets when replica d's leader yields ``plans[d]``
+    (a list of per-step sample ids); computed without processes."""
+    layout = MeshLayout.build(("pp", "dp", "cp"), shape, range(math.prod(shape)))
+    routing = Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", (("cp", shape[2]),))
+    records = []
+    for rank in layout.ranks:
+        place = layout.place(rank)
+        steps = [routing.piece(routing.select(expected(ids, SEQ), place.stage), place.shard) for ids in plans[place.dp_rank]]
+        records.append(invariants.RankRecord(rank, place.dp_rank, place.stage, place.shard, steps))
+    return records, routing
+
+
+def _failed(plans: dict[int, list[list[int]]], dataset: list[int]) -> dict[str, str]:
+    records, routing = _records(plans)
+    return {v.name[:3]: v.detail for v in verdicts(records, routing, SEQ, dataset) if not v.ok}
+
+
+def _epoch(n_samples: int) -> dict[int, list[list[int]]]:
+    """A correct epoch over ``n_samples`` at dp=2, batch 2: replica d gets d, d+2, ...; with 18
+    samples the last step holds one sample per replica."""
+    return {d: [list(range(d, n_samples, 2))[i : i + 2] for i in range(0, n_samples // 2, 2)] for d in (0, 1)}
+
+
+@pytest.mark.parametrize("n_samples", [16, 18])
+def test_verdict_passes_on_an_epoch_that_covers_the_dataset(n_samples):
+    assert _failed(_epoch(n_samples), list(range(n_samples))) == {}
+
+
+@pytest.mark.parametrize("n_samples", [16, 18])
+@pytest.mark.parametrize(
+    "step2, why",
+    [
+        ([10], "skips sample 8"),
+        ([8, 8], "delivers 8 again instead of 10"),
+        ([8, 9], "delivers 9, replica 1's, instead of 10"),
+        ([8, 99], "delivers 99, not in the dataset, instead of 10"),
+    ],
+)
+def test_verdict_fails_when_a_leader_skips_or_duplicates_a_sample(n_samples, step2, why):
+    plans = _epoch(n_samples)
+    assert plans[0][2] == [8, 10]
+    plans[0][2] = step2  # every rank of replica 0 gets what its leader yielded
+    failed = _failed(plans, list(range(n_samples)))
+    assert set(failed) == {"(d)"}, (why, failed)
+
+
+# --- a bad --mesh, or --remote where it cannot run: one line, exit code 2, no rank started ----------
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--mesh", "foo=2"], {}, r"--mesh foo=2: dim 'foo' is not one of"),
+        (["--mesh", "pp2"], {}, r"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got 'pp2'"),
+        (["--mesh", "dp=2,dp=2"], {}, r"--mesh dp=2,dp=2: mesh dim names must be unique"),
+        (["--mesh", "dp=0"], {}, r"--mesh dp=0: mesh dims must have size >= 1"),
+        (["--mesh", "cp=3"], {},
+         r"--mesh cp=3: --seq-len 64 cannot be split over cp=3 by the zigzag layout; use a multiple of 6"),
+        # under torchrun (its environment, one process): the mesh must match the world it started
+        (["--mesh", "pp=2,dp=2,tp=2"], {**TORCHRUN_ENV, "WORLD_SIZE": "4"},
+         r"--mesh pp=2,dp=2,tp=2: the mesh has 8 ranks, the world 4"),
+        # the endpoint lives in the process that starts the ranks: torchrun has none
+        (["--remote"], TORCHRUN_ENV, r"--remote serves its S3 endpoint from the demo process that starts the ranks"),
+        (["--remote", "--data", "/nonexistent"], {}, r"--remote uploads the demo's own dataset; leave out --data"),
+    ],
+)
+def test_demo_refuses_a_bad_mesh_or_remote_in_one_line_before_any_rank_starts(args, env, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "collective_loader", "demo", *args], capture_output=True, text=True,
+        timeout=60, env={**os.environ, **env},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert re.search(message, proc.stderr), proc.stderr

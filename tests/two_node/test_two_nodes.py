@@ -1,0 +1,304 @@
+"""Jobs over two nodes, each a torchrun agent in namespaces of its own (``nodes.py``).
+
+Cases: leaders on both nodes, all leaders on one node (pp outermost), leaders spread unevenly
+(refused on every rank, never a hang), and a whole node SIGKILLed mid-epoch (the other node's
+ranks end within the loader's timeout, nothing is left in either node's /dev/shm, and the job
+started again from its last checkpoint continues exactly). Each checks every rank's samples with
+the invariants: the demo's verdict, or :func:`collective_loader.testing.invariants.check` here.
+
+Run as a script (under ``nodes.py``'s entry), this file is the killed job's training loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import nodes
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from collective_loader import CollectiveLoader
+from collective_loader.demo import (
+    INPUTS,
+    LABELS,
+    SEQ_DIMS,
+    expected,
+    parse_mesh,
+    write_dataset,
+)
+from collective_loader.plan.mesh import MeshLayout
+from collective_loader.plan.routing import Routing
+from collective_loader.streaming import StreamingSource
+from collective_loader.testing import invariants
+
+SAMPLES, SEQ, BATCH = 128, 16, 4  # dp=2: 16 steps per epoch
+TRAIN_MESH = ("dp", "pp", "tp"), (2, 2, 2)  # one replica, and its leader, per node
+WORLD = 8
+LOADER_TIMEOUT = 20.0  # seconds; the loader's, in the killed job
+TEARDOWN = 30.0  # seconds torchrun may take to stop its ranks and exit, on a loaded machine
+CKPT_EVERY = 4  # steps
+JOB_TIMEOUT = 300.0  # seconds for one job, torchrun's start included (2 x 4 ranks on 2 loaded cores)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An MDS dataset both nodes read: outside their private /dev/shm and temp dirs, as on a
+    shared filesystem."""
+    out = str(tmp_path_factory.mktemp("mds") / "tokens")
+    write_dataset(out, SAMPLES, SEQ)
+    return out
+
+
+def leader_nodes(mesh: str, where: dict[int, dict[str, int]], placement: str = "spread") -> list[int]:
+    """The node each replica's leader ran on, by dp_rank."""
+    dims, shape = parse_mesh(mesh)
+    layout = MeshLayout.build(dims, shape, range(math.prod(shape)), placement=placement)
+    return [where[r]["two_nodes_node"] for r in layout.leaders()]
+
+
+def run_demo(
+    cluster: nodes.Cluster, data: str, mesh: str, placement: str = "spread", **start: float
+) -> tuple[nodes.Result, nodes.Job]:
+    job = cluster.start(
+        ["-m", "collective_loader", "demo", "--data", data, "--mesh", mesh, "--seq-len", str(SEQ),
+         "--batch-size", str(BATCH), "--placement", placement],
+        **start,
+    )
+    return job.wait(JOB_TIMEOUT), job
+
+
+def assert_demo_passed(result: nodes.Result, world: int) -> None:
+    assert result.codes == (0, 0) and len(result.ranks) == world, result.describe()
+    assert all(r.exit and r.exit["code"] == 0 for r in result.ranks.values()), result.describe()
+    report = result.ranks[0].log
+    assert "all checks passed" in report and report.count("[ok]") == 5, result.describe()
+
+
+def assert_nodes_clean(cluster: nodes.Cluster) -> None:
+    left = {node.index: node.blocks() + node.locks() for node in cluster.nodes}
+    assert left == {0: [], 1: []}, f"streaming's files left on the nodes: {left}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_TIMEOUT)
+@pytest.mark.parametrize(
+    "mesh,placement,leader_nodes_wanted",
+    [("dp=2,pp=2,tp=2", "spread", 2), ("pp=2,dp=2,tp=2", "first_stage", 1), ("pp=2,dp=2,tp=2", "spread", 2)],
+    ids=["both_nodes", "one_node", "both_nodes_spread"],
+)
+def test_leader_placements_over_nodes(
+    tmp_path: Path, data: str, mesh: str, placement: str, leader_nodes_wanted: int
+) -> None:
+    """The two leaders on both nodes (data dims outermost, or pp outermost with the default
+    placement, which spreads them over the stages), or both on one node (pp outermost, every
+    leader on the first stage)."""
+    with nodes.Cluster(tmp_path, nproc=4) as cluster:
+        result, job = run_demo(cluster, data, mesh, placement)
+        print(f"{mesh} ({placement}) over 2 x 4 ranks: {result.seconds:.1f}s")
+        assert_demo_passed(result, 8)
+        placed = leader_nodes(mesh, job.where(), placement)
+        assert len(placed) == 2 and len(set(placed)) == leader_nodes_wanted, result.describe()
+        assert_nodes_clean(cluster)
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT)
+def test_uneven_leaders_fail_on_every_rank(tmp_path: Path, data: str) -> None:
+    """Leaders 0, 2, 4 of ``dp=3,tp=2`` sit two on one node and one on the other, which
+    streaming cannot express: every rank must say so and the job end, not hang. torchrun stops
+    a node's ranks as soon as one has failed; a 5 s look interval lets each report first."""
+    with nodes.Cluster(tmp_path, nproc=3) as cluster:
+        result, job = run_demo(cluster, data, "dp=3,tp=2", monitor_interval=5.0)
+        print(f"dp=3,tp=2 over 2 x 3 ranks: ended in {result.seconds:.1f}s")
+        assert not result.timed_out and 0 not in result.codes, result.describe()
+        assert sorted(leader_nodes("dp=3,tp=2", job.where())) in ([0, 0, 1], [0, 1, 1]), result.describe()
+        assert len(result.ranks) == 6, result.describe()
+        for r in result.ranks.values():
+            assert r.exit and "spread unevenly" in (r.exit["error"] or ""), result.describe()
+        assert_nodes_clean(cluster)
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT)
+def test_a_rank_failing_in_the_demo_report_ends_both_nodes(tmp_path: Path, data: str) -> None:
+    """Rank 0 raises in the demo's report, after the epoch: the ranks on both nodes hear it
+    from the report's agreement and exit non-zero, so both agents do too (before, the node
+    whose ranks had succeeded waited in torchrun's exit barrier until killed). pp=4,dp=2 puts
+    replica 1's leader on a middle stage, as the report's original KeyError needed."""
+    with nodes.Cluster(tmp_path, nproc=4) as cluster:
+        job = cluster.start(
+            [str(nodes.SUPPORT / "failing_demo.py"), "report", "0", "--data", data, "--mesh", "pp=4,dp=2",
+             "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--timeout", "60"],
+            monitor_interval=5.0,
+        )
+        result = job.wait(JOB_TIMEOUT)
+        print(f"pp=4,dp=2 over 2 x 4 ranks, rank 0's report failing: ended in {result.seconds:.1f}s")
+        assert not result.timed_out and 0 not in result.codes, result.describe()
+        assert len(result.ranks) == WORLD and {r.node for r in result.ranks.values()} == {0, 1}, result.describe()
+        failed_at = result.ranks[0].exit["time"] if result.ranks[0].exit else None
+        assert failed_at is not None, result.describe()
+        for r in result.ranks.values():
+            assert r.exit and r.exit["code"] != 0, result.describe()
+            assert "rank 0 failed in the report: KeyError: 'injected by failing_demo.py'" in r.log, result.describe()
+            assert r.exit["time"] - failed_at < TEARDOWN, result.describe()
+        assert_nodes_clean(cluster)
+
+
+# --- a node killed mid-epoch ------------------------------------------------------------------
+
+
+def train(argv: list[str]) -> None:
+    """One rank of the training job: one epoch of ``TRAIN_MESH``, a checkpoint every
+    ``CKPT_EVERY`` steps (each rank its loader state and the batches it got so far, as a trainer
+    saves its model), progress after each step, and every batch of the epoch at the end."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--resume", type=int, default=0, help="the checkpoint's step; 0: from the start")
+    p.add_argument("--pace", type=float, default=0.0, help="seconds of 'compute' per step")
+    a = p.parse_args(argv)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", TRAIN_MESH[1], mesh_dim_names=TRAIN_MESH[0])
+    source = StreamingSource(
+        mesh, local=a.data, batch_size=BATCH, shuffle=True, shuffle_seed=17, num_canonical_nodes=2, clean_stale=True
+    )
+    loader = CollectiveLoader(source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, timeout=LOADER_TIMEOUT)
+    steps: list[dict[str, torch.Tensor]] = []
+    if a.resume:
+        saved = torch.load(a.out / f"step{a.resume}" / f"rank{rank}.pt", weights_only=True)
+        loader.load_state_dict(saved["loader"])
+        steps = saved["steps"]
+    for batch in loader:
+        steps.append(batch)
+        if len(steps) % CKPT_EVERY == 0:
+            save(a.out / f"step{len(steps)}" / f"rank{rank}.pt", {"loader": loader.state_dict(), "steps": steps})
+        save(a.out / "progress" / f"rank{rank}.pt", len(steps))
+        time.sleep(a.pace)
+    loader.close()
+    save(a.out / "epoch" / f"rank{rank}.pt", steps)
+    dist.destroy_process_group()
+
+
+def save(path: Path, obj: object) -> None:
+    """torch.save whole or not at all: a node may be killed in the middle of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, path.with_suffix(".part"))
+    path.with_suffix(".part").replace(path)
+
+
+def start_training(cluster: nodes.Cluster, data: str, out: Path, *args: str, **start: float) -> nodes.Job:
+    return cluster.start([__file__, "--data", data, "--out", str(out), *args], **start)
+
+
+def epoch(out: Path) -> list[list[dict[str, torch.Tensor]]]:
+    """Every rank's batches of the epoch, by global rank."""
+    return [torch.load(out / "epoch" / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+def steps_done(out: Path) -> int:
+    """The step every rank has finished."""
+    files = [out / "progress" / f"rank{r}.pt" for r in range(WORLD)]
+    return min(torch.load(f, weights_only=True) if f.exists() else 0 for f in files)
+
+
+def last_checkpoint(out: Path) -> int:
+    """The latest step whose checkpoint every rank wrote."""
+    return max(
+        (int(d.name[4:]) for d in out.glob("step*") if all((d / f"rank{r}.pt").exists() for r in range(WORLD))),
+        default=0,
+    )
+
+
+def check_epoch(batches: list[list[dict[str, torch.Tensor]]]) -> None:
+    """Invariants (a)-(e) over one epoch of ``TRAIN_MESH`` on every rank."""
+    layout = MeshLayout.build(*TRAIN_MESH, range(len(batches)))
+    records = []
+    for rank, steps in enumerate(batches):
+        place = layout.place(rank)
+        records.append(invariants.RankRecord(rank, place.dp_rank, place.stage, place.shard, steps))
+    routing = Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", ())
+    verdicts = invariants.check(records, routing, lambda ids: expected(ids, SEQ), range(SAMPLES))
+    assert all(v.ok for v in verdicts), [f"{v.name}: {v.detail}" for v in verdicts if not v.ok]
+
+
+def ids(steps: list[dict[str, torch.Tensor]]) -> list[list[int]]:
+    return [b["sample_id"].tolist() for b in steps]  # every stage gets sample_id
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, data: str) -> list[list[dict[str, torch.Tensor]]]:
+    """Every rank's batches of an uninterrupted epoch of the training job: what a resumed one
+    must repeat."""
+    out = tmp_path_factory.mktemp("reference")
+    with nodes.Cluster(out / "nodes", nproc=4) as cluster:
+        result = start_training(cluster, data, out).wait(JOB_TIMEOUT)
+    print(f"uninterrupted training epoch over 2 x 4 ranks: {result.seconds:.1f}s")
+    assert result.codes == (0, 0), result.describe()
+    batches = epoch(out)
+    check_epoch(batches)
+    return batches
+
+
+def wait_for_step(job: nodes.Job, out: Path, step: int) -> None:
+    while steps_done(out) < step:
+        assert all(job.running()) and time.monotonic() - job.started < JOB_TIMEOUT, f"the job did not reach step {step}"
+        time.sleep(0.5)
+
+
+def kill_mid_epoch(cluster: nodes.Cluster, data: str, out: Path, victim: int) -> tuple[nodes.Result, float]:
+    """Train at a second per step, kill node ``victim`` two steps past the first checkpoint;
+    return how the job ended and the seconds from the kill to its end."""
+    job = start_training(cluster, data, out, "--pace", "1.0", monitor_interval=5.0)
+    wait_for_step(job, out, CKPT_EVERY + 2)
+    killed_at = time.time()
+    job.kill_node(victim)
+    ended = job.wait(JOB_TIMEOUT)
+    took = time.time() - killed_at
+    left = {node.index: node.blocks() + node.locks() for node in cluster.nodes}
+    print(f"killed node {victim} after step {steps_done(out)}; the job ended {took:.1f}s later; left: {left}")
+    print(ended.describe())
+    for r in ended.ranks.values():
+        if r.node != victim and r.exit is not None:  # None: stopped by torchrun
+            assert (r.exit["error"] or "").startswith("DeliveryError"), ended.describe()
+            assert r.exit["time"] - killed_at < LOADER_TIMEOUT + 10, ended.describe()
+    return ended, took
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * JOB_TIMEOUT)
+@pytest.mark.parametrize("victim", [0, 1], ids=["store-node", "other-node"])
+def test_node_killed_mid_epoch_then_resumed(
+    tmp_path: Path, data: str, reference: list[list[dict[str, torch.Tensor]]], victim: int
+) -> None:
+    """Node 0 holds the rendezvous store: killing it takes torchrun's agent on the other node
+    down too. Killing node 1 leaves node 0's ranks to our loader's errors. Either way the
+    survivors end within the loader's timeout (plus torchrun's teardown; its 5 s look interval
+    lets each rank report its error first) and leave no block in their /dev/shm; the killed
+    node's blocks stay, as on a host that went down, until the job started again there from
+    the last checkpoint (``clean_stale``) removes them; and that job continues the epoch
+    exactly."""
+    with nodes.Cluster(tmp_path / "nodes", nproc=4) as cluster:
+        ended, took = kill_mid_epoch(cluster, data, tmp_path, victim)
+        survivor = cluster.nodes[1 - victim]
+        assert not ended.timed_out and ended.codes[survivor.index] != 0, ended.describe()
+        assert took < LOADER_TIMEOUT + TEARDOWN, ended.describe()
+        assert survivor.blocks() == [], ended.describe()
+
+        step = last_checkpoint(tmp_path)
+        resumed = start_training(cluster, data, tmp_path, "--resume", str(step)).wait(JOB_TIMEOUT)
+        print(f"resumed from step {step}: {resumed.seconds:.1f}s")
+        assert resumed.codes == (0, 0), resumed.describe()
+        assert_nodes_clean(cluster)
+    again = epoch(tmp_path)
+    for rank in range(WORLD):
+        assert ids(again[rank]) == ids(reference[rank]), f"rank {rank} resumed from step {step} differently"
+    check_epoch(again)
+
+
+if __name__ == "__main__":
+    train(sys.argv[1:])
