@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import logging
 import importlib.util
 import math
 import os
@@ -129,6 +130,7 @@ def rank_main(a: DemoArgs) -> int:
             dist.barrier()
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:
                 shutil.rmtree(out, ignore_errors=True)
+    show_library_log()
     mesh = init_device_mesh("cpu", a.shape, mesh_dim_names=a.dims)
     me = dist.get_rank()
     # the demo's own exchanges after the epoch; each phase ends in an agreement over this group,
@@ -204,6 +206,15 @@ def after_epoch(
     verdict = torch.tensor([code])
     dist.broadcast(verdict, src=0, group=group)  # rank 0's verdict is every rank's exit code
     return int(verdict)
+
+
+def show_library_log() -> None:
+    """Print the library's INFO lines (what each loader decided) on this rank's stdout."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("  [rank %(rank)s] %(message)s", defaults={"rank": os.environ.get("RANK", "?")}))
+    library = logging.getLogger("collective_loader")
+    library.addHandler(handler)
+    library.setLevel(logging.INFO)
 
 
 def stream_from(a: DemoArgs, run: str) -> dict[str, str]:

@@ -28,5 +28,10 @@ class ConfigMismatchError(ValueError):
     """Ranks constructed the loader with different arguments; raised on every rank."""
 
 
+class ShardDownloadError(RuntimeError):
+    """A leader's ``StreamingDataset`` could not download (or prepare) a shard; names the shard and
+    why. Reaches the other ranks as :class:`LeaderError` with this message."""
+
+
 class DeliveryError(RuntimeError):
     """A collective failed or timed out; says which rank was waiting for whom, for which step."""

@@ -383,7 +383,7 @@ def _log_construction(settings: Settings) -> None:
     layout, place, groups = settings.mesh_layout, settings.place, settings.groups
     if place.rank == 0:
         log.info(
-            "CollectiveLoader: mesh [%s], %d replicas, leaders %s (placement=%s); %d process groups per rank; "
+            "CollectiveLoader: mesh [%s], %d replicas, leaders %s (placement=%s); %d process groups (every rank makes them); "
             "delivery=%s transport=%s device=%s prefetch=%d timeout=%.0fs",
             layout.describe(), layout.dp_size, list(layout.leaders()), layout.placement, groups.count,
             settings.delivery, settings.transport, settings.device, settings.prefetch, settings.timeout,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
+import time
 import warnings
 from typing import Any, Iterator, Mapping
 
@@ -27,6 +29,7 @@ from collective_loader.plan.wire import Kind
 
 Batch = dict[str, Any]
 JOIN_WAIT = 5.0  # seconds to wait for a transfer thread that has delivered its last step
+log = logging.getLogger(__name__)
 
 
 class Epoch(Iterator[Batch]):
@@ -74,6 +77,8 @@ class Epoch(Iterator[Batch]):
     def __next__(self) -> Batch:
         if self._finished:
             raise StopIteration
+        debug = log.isEnabledFor(logging.DEBUG)
+        started = time.perf_counter() if debug else 0.0
         try:
             item = self._next_item()
         except DeliveryError:
@@ -87,6 +92,12 @@ class Epoch(Iterator[Batch]):
             raise item.error
         self.steps += 1
         self.source_state = item.source_state
+        if debug:
+            nbytes = sum(v.nbytes for v in item.batch.values() if isinstance(v, torch.Tensor))
+            log.debug(
+                "rank %d step %d: %d tensor bytes, waited %.3f ms in next()",
+                self.settings.place.rank, item.step, nbytes, 1e3 * (time.perf_counter() - started),
+            )
         while self._copies and self._copies[0][0].query():
             self._copies.popleft()  # their copies are done: the host buffers may be reused
         if item.event is not None:

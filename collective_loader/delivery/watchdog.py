@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from typing import Callable, Iterator
 
 JOIN_WAIT = 5.0  # seconds to wait for the watchdog thread at close
+SLOW_AFTER = 0.5  # share of ``after``: a call still running then is logged as slow (WARNING)
+log = logging.getLogger(__name__)
 
 
 class StallWatch:
@@ -17,7 +20,9 @@ class StallWatch:
     thread looks every ``after / 16`` seconds (nothing is signalled per step) and, once a call
     has taken longer than ``after``, sets ``stalled`` and calls ``report(step)``. Both happen
     under one lock, so either the call returned first or ``stalled`` is set: from then on the
-    transfer thread delivers nothing and the collectives are the watchdog's.
+    transfer thread delivers nothing and the collectives are the watchdog's. A call still
+    running after ``SLOW_AFTER * after`` is logged once as a WARNING first, so a slow source
+    shows in the log before it becomes an error.
 
     Example::
 
@@ -36,6 +41,7 @@ class StallWatch:
         self._lock = threading.Lock()
         self._step: int | None = None  # the step being loaded, None between calls
         self._since = 0.0
+        self._warned: int | None = None  # the step a slow call was logged for
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -54,7 +60,14 @@ class StallWatch:
         while not self._stop.wait(self.after / 16):
             with self._lock:
                 step = self._step
-                if step is None or time.monotonic() - self._since < self.after:
+                took = time.monotonic() - self._since
+                if step is not None and took >= SLOW_AFTER * self.after and self._warned != step:
+                    self._warned = step
+                    log.warning(
+                        "%s: the source has not returned step %d after %.0fs; reported as stalled after %.0fs",
+                        self._thread.name, step, took, self.after,
+                    )
+                if step is None or took < self.after:
                     continue
                 self.stalled = True
             self._report(step)

@@ -40,9 +40,7 @@ from typing import Any, Iterator
 from streaming import StreamingDataset
 from streaming.base.dataset import TICK, _ShardState
 
-
-class ShardDownloadError(RuntimeError):
-    """A shard could not be downloaded (or prepared) for this dataset."""
+from collective_loader.errors import ShardDownloadError
 
 
 class DownloadFailureRaisingDataset(StreamingDataset):

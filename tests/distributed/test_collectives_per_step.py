@@ -43,7 +43,7 @@ def varying_sizes(delivery: str, keep: bool, lengths: list[int]):
         want = _expected(loader, step, lengths[step])
         if batch.keys() != want.keys() or any(not torch.equal(batch[k], v) for k, v in want.items()):
             wrong.append(step)
-    allocations = sum(ch.pool.allocations for ch in loader._groups.channels.values())
+    allocations = sum(ch.pool.allocations for ch in loader.settings.groups.channels.values())
     stats = loader.stats()
     loader.close()
     return {"rank": dist.get_rank(), "leader": loader.is_leader, "collectives": stats["collectives"],

@@ -1,8 +1,10 @@
-"""The delivery protocol one step at a time, with no transfer thread; and the thread on its own.
+"""The delivery protocol one step at a time, with no transfer thread and no loader; and the
+thread on its own.
 
-``LeaderStep.step`` / ``MemberStep.step`` are called by hand on every rank of a gloo world, in
-lockstep, then ``post`` / ``complete`` as the training thread would: what each step hands over
-is checked for both transports. :class:`Prefetcher` is checked without any process group.
+Every rank of a gloo world builds its :class:`Settings` by hand (the groups, routing and place a
+``CollectiveLoader`` would build) and calls ``LeaderStep.step`` / ``MemberStep.step`` in lockstep,
+then ``post`` / ``complete`` as the training thread would: what each step hands over is checked
+for both transports. :class:`Prefetcher` is checked without any process group.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import ranks
 import torch
 import torch.distributed as dist
 
-from collective_loader import CollectiveLoader
+from collective_loader.delivery.agreement import control_group
 from collective_loader.delivery.prefetch import Prefetcher
 from collective_loader.delivery.protocol import (
     LeaderStep,
@@ -24,36 +26,49 @@ from collective_loader.delivery.protocol import (
     failed,
     post,
 )
+from collective_loader.delivery.settings import Settings
+from collective_loader.delivery.transport import build_groups
 from collective_loader.delivery.watchdog import StallWatch
 from collective_loader.errors import BatchError, DeliveryError, LeaderError, WireError
+from collective_loader.plan.mesh import MeshLayout
+from collective_loader.plan.routing import Routing
 from collective_loader.plan.wire import Kind
 
 STEPS = 3
 
 
+def settings_by_hand(transport: str, delivery: str) -> Settings:
+    """This rank's settings on a pp=2 x cp=2 mesh, built as CollectiveLoader builds them."""
+    layout = MeshLayout.from_mesh(ranks.make_mesh(("pp", "cp"), (2, 2)))
+    place = layout.place(dist.get_rank())
+    keys = ranks.KEYS
+    routing = Routing(keys["inputs"], keys["labels"], keys["seq_dims"], "zigzag", layout.shard_dims())
+    cpu = torch.device("cpu")
+    groups = build_groups(control_group(30.0), layout, place, cpu, transport, 30.0, delivery == "scatter", 4, False)
+    return Settings(layout, place, routing, groups, cpu, transport, delivery, 2, 30.0, 1 << 20)
+
+
 def by_hand(transport: str, delivery: str) -> dict:
     """Run STEPS data steps and the end by calling the protocol directly; return what each gave."""
-    mesh = ranks.make_mesh(("pp", "cp"), (2, 2))
+    settings = settings_by_hand(transport, delivery)
+    place, routing = settings.place, settings.routing
     batches = [ranks.sample_batch([2 * i, 2 * i + 1], 8) for i in range(STEPS)]
-    loader = CollectiveLoader(batches, mesh, **ranks.KEYS, delivery=delivery, transport=transport, timeout=30)
-    if loader.is_leader:
+    if place.is_leader:
         it = iter(batches)
         watch = StallWatch(60.0, lambda step: None, "test-watch")
-        protocol = LeaderStep(loader, None, lambda step: next(it), lambda: None, watch)
+        protocol = LeaderStep(settings, None, lambda step: next(it), lambda: None, watch)
     else:
-        protocol = MemberStep(loader, None)
+        protocol = MemberStep(settings, None)
     out = []
     for step in range(STEPS + 1):
         item = protocol.step(step)  # the gloo part: header (and with the host transport, the bytes)
         pending = bool(item.sends or item.receive)
-        item = complete(loader, post(loader, item))  # the training thread's part
+        item = complete(settings, post(settings, item))  # the training thread's part
         out.append({"kind": int(item.kind), "step": item.step, "pending": pending,
                     "batch": {k: v.clone() for k, v in item.batch.items()}})
-    if loader.is_leader:
+    if place.is_leader:
         watch.close()
-    place = loader.place
-    loader.close()
-    want = [loader.routing.piece(loader.routing.select(b, place.stage), place.shard) for b in batches]
+    want = [routing.piece(routing.select(b, place.stage), place.shard) for b in batches]
     return {"rank": dist.get_rank(), "leader": place.is_leader, "items": out, "want": want}
 
 
