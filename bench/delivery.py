@@ -39,7 +39,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch

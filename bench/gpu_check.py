@@ -42,7 +42,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist

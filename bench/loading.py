@@ -44,7 +44,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import logging
 import importlib.util
+import logging
 import math
 import os
 import shutil
@@ -29,26 +29,30 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
 from collective_loader.delivery.agreement import run_phase
+from collective_loader.delivery.settings import Delivery
 from collective_loader.delivery.transport import new_group
 from collective_loader.loader import CollectiveLoader
 from collective_loader.plan import sharding
 from collective_loader.plan.mesh import (
+    DEFAULT_PLACEMENT,
     DEFAULT_ROLES,
     PLACEMENTS,
     MeshLayout,
+    Placement,
     group_count,
 )
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.sharding import Split
 from collective_loader.streaming import (
     StreamingSource,
     leaders_world,
@@ -56,12 +60,9 @@ from collective_loader.streaming import (
     release,
 )
 from collective_loader.testing import invariants, launch
+from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, shard_bytes_for, write_dataset
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 
-INPUTS = ("input_ids", "position_ids", "sample_id")
-LABELS = ("labels", "sample_id")
-SEQ_DIMS = {"input_ids": 1, "position_ids": 1, "labels": 1}
-VOCAB = 32000
 SHUFFLE_SEED = 1234
 BUCKET = "collective-loader-demo"
 RUNS = {"collective_loader": "rank", "naive": "naive-rank"}  # --remote: run -> prefix of its ranks' client names
@@ -76,42 +77,12 @@ class DemoArgs:
     samples: int
     batch_size: int
     seq_len: int
-    split: str
-    delivery: str
+    split: Split
+    delivery: Delivery
     num_workers: int
-    placement: str = "spread"  # where the leaders sit (CollectiveLoader's placement=)
+    placement: Placement = DEFAULT_PLACEMENT  # where the leaders sit (CollectiveLoader's placement=)
     timeout: float = 600.0  # seconds: the local world's limit, and any rank's wait for another after the epoch
     remote: str = ""  # --remote: the dataset's s3:// URL; ``data`` then holds the runs' cache dirs
-
-
-# --- the data ---------------------------------------------------------------------------------
-
-
-def tokens(sample_id: int, seq_len: int) -> np.ndarray:
-    """The ``seq_len + 1`` tokens of one synthetic sample: a function of its id."""
-    return ((sample_id * 7919 + np.arange(seq_len + 1) * 31) % VOCAB).astype(np.int32)
-
-
-def write_dataset(out: str, samples: int, seq_len: int, shard_bytes: int = 1 << 16) -> None:
-    """A tokenized MDS dataset: columns ``tokens`` (int32, seq_len + 1) and ``id``; ``out`` is a
-    directory or a remote (``s3://bucket/path``) that streaming's writer uploads to."""
-    from streaming import MDSWriter
-
-    with MDSWriter(out=out, columns={"tokens": "ndarray:int32", "id": "int"}, size_limit=shard_bytes) as writer:
-        for i in range(samples):
-            writer.write({"tokens": tokens(i, seq_len), "id": i})
-
-
-def shard_bytes_for(samples: int, seq_len: int, shards: int = 8) -> int:
-    """A shard size that splits the demo's dataset into about ``shards`` shards (``--remote``: a
-    download per shard to watch), each big enough for one sample."""
-    per_sample = 4 * (seq_len + 1) + 64  # int32 tokens, the id and MDS's per-sample header, rounded up
-    return per_sample * max(1, math.ceil(samples / shards))
-
-
-def expected(ids: list[int], seq_len: int) -> dict[str, torch.Tensor]:
-    """The batch the leader must have built from these samples."""
-    return lm_collate([{"tokens": tokens(i, seq_len), "id": i} for i in ids])
 
 
 # --- one rank ---------------------------------------------------------------------------------
@@ -217,7 +188,7 @@ def show_library_log() -> None:
     library.setLevel(logging.INFO)
 
 
-def stream_from(a: DemoArgs, run: str) -> dict[str, str]:
+def stream_from(a: DemoArgs, run: str) -> dict[str, Any]:
     """StreamingDataset's ``local`` (and ``remote``) for ``run``: with ``--remote``, a cache dir
     of the run's own, so that the naive run downloads for itself rather than finding ours."""
     if not a.remote:
@@ -409,7 +380,7 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
         raise ValueError(f"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got {text!r}") from None
 
 
-def check_mesh(text: str, seq_len: int, split: str, world_size: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def check_mesh(text: str, seq_len: int, split: Split, world_size: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The dims and sizes of ``--mesh text``, or a ValueError saying what to change.
 
     Checked here, before any rank starts, so a bad flag is one message rather than the same

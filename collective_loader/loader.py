@@ -19,7 +19,8 @@ import logging
 import math
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -257,17 +258,18 @@ class CollectiveLoader:
         skips the consumed batches.
         """
         epoch = self._epoch
+        steps = epoch.steps if epoch is not None else 0
         state = {
             "format": 1,
             "dp_size": self.dp_size,
             "epoch": max(self.epoch - 1, 0),
-            "steps": epoch.steps if epoch is not None else 0,
+            "steps": steps,
             "source": epoch.source_state if epoch is not None else None,
             "source_elastic": bool(getattr(self._source, "supports_elastic_resume", False)),
         }
         channel = self.settings.groups.replica
         if self.is_leader:
-            channel.send_plan(Kind.DATA, state["steps"], wire.plan(state))
+            channel.send_plan(Kind.DATA, steps, wire.plan(state))
             return state
         header, payload = channel.recv(self.settings.max_batch_bytes)
         leader_state = wire.unpack(payload, header.meta_nbytes)
@@ -323,14 +325,14 @@ class CollectiveLoader:
                 out[key] += getattr(channel, key)
         return out
 
-    def __enter__(self) -> "CollectiveLoader":
+    def __enter__(self) -> CollectiveLoader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
-_LIVE: "weakref.WeakSet[CollectiveLoader]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[CollectiveLoader] = weakref.WeakSet()
 
 
 @atexit.register

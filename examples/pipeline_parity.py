@@ -276,7 +276,7 @@ def rank_main(a: Args) -> int:
     first, last = pp_rank == 0, pp_rank == case.pp - 1
     losses, ids = [], []
     stream = batches(a, mesh, case.tp)
-    for step, batch in zip(range(a.steps), stream):
+    for _, batch in zip(range(a.steps), stream):
         optimizer.zero_grad()
         if first:
             schedule.step(batch["input_ids"])

@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-SUPPORT = Path(__file__).resolve().parent / "support"
-sys.path.insert(0, str(SUPPORT))  # the tests' helpers (world, ranks, nodes, ...): imported by name
-from world import World
+from world import World  # tests/support is on the path (pyproject's pythonpath)
 
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 

@@ -9,7 +9,8 @@ error raised on some ranks reaches all of them instead of leaving the others in 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist

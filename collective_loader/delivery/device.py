@@ -14,7 +14,8 @@ Example (a CUDA machine)::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return value
 
 
-def copy_to_device(batch: Any, device: torch.device, stream: "torch.cuda.Stream") -> tuple[Any, "torch.cuda.Event"]:
+def copy_to_device(batch: Any, device: torch.device, stream: torch.cuda.Stream) -> tuple[Any, torch.cuda.Event]:
     """Start copying every tensor of a host ``batch`` to ``device`` on ``stream``; do not wait.
 
     Returns the device batch (same tree; its tensors are allocated on ``stream``) and an event
@@ -45,7 +46,7 @@ def copy_to_device(batch: Any, device: torch.device, stream: "torch.cuda.Stream"
     return out, event
 
 
-def hand_over(batch: Any, event: "torch.cuda.Event | None") -> Any:
+def hand_over(batch: Any, event: torch.cuda.Event | None) -> Any:
     """Training thread: make the current stream wait for ``event`` (when there is one) and tell
     the caching allocator that the current stream uses the batch's tensors, so their memory is
     not handed to the side stream's next copy while this step still reads it."""

@@ -14,7 +14,8 @@ import contextlib
 import logging
 import time
 import warnings
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -55,16 +56,17 @@ class Epoch(Iterator[Batch]):
         place = settings.place
         stream = torch.cuda.Stream(settings.device) if settings.device.type == "cuda" else None
         name = f"collective_loader-r{place.rank}"
+        self._step: protocol.LeaderStep | protocol.MemberStep
+        self._watch: StallWatch | None = None
         if place.is_leader:
-            self._watch: StallWatch | None = StallWatch(
-                protocol.STALL_AFTER * settings.timeout, lambda step: self._prefetch.interrupt(self._step.stalled(step)),
+            leader: protocol.LeaderStep  # the watchdog reports through it (after seconds, not now)
+            watch = StallWatch(
+                protocol.STALL_AFTER * settings.timeout, lambda step: self._prefetch.interrupt(leader.stalled(step)),
                 f"{name}-watch",
             )
-            self._step: protocol.LeaderStep | protocol.MemberStep = protocol.LeaderStep(
-                settings, stream, self._load, self._source_state, self._watch
-            )
+            leader = protocol.LeaderStep(settings, stream, self._load, self._source_state, watch)
+            self._watch, self._step = watch, leader
         else:
-            self._watch = None
             self._step = protocol.MemberStep(settings, stream)
         # an exception in a step ends the epoch: it is raised in the training loop
         self._prefetch: Prefetcher[protocol.Item] = Prefetcher(

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 

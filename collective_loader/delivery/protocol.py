@@ -26,8 +26,9 @@ The two transports have one shape: ``step(k)`` (transfer thread, gloo only) then
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, cast
 
 import torch
 
@@ -110,6 +111,7 @@ class LeaderStep(_Step):
 
     def step(self, step: int) -> Item:
         groups = self.settings.groups
+        cause: BaseException | None
         kind, message, cause, packed, state = Kind.DATA, "", None, {}, None
         try:
             with self.watch.loading(step):  # step 0 also starts (and resumes) the source
@@ -191,7 +193,7 @@ class LeaderStep(_Step):
         channels = self.settings.groups.channels
         # every distinct message's payload once (scatter peers that share a shard share a message)
         unique = {id(m): _payload(m, h) for message, h, _ in packed.values() for m in _as_list(message)}
-        on_device = self._on_device(item, unique).batch
+        on_device = cast(dict[int, torch.Tensor], self._on_device(item, unique).batch)
         for name, (message, header, _) in packed.items():
             start = wire.data_start(header.meta_nbytes)
             data = [on_device[id(m)][start:] for m in _as_list(message)]
@@ -225,8 +227,8 @@ class LeaderStep(_Step):
         headers = {(h.payload_nbytes, h.meta_nbytes) for _, h in by_levels.values()}
         assert len(headers) == 1, headers  # equal shapes per shard, so equal sizes
         messages = [by_levels[layout.place(r).shard][0] for r in channel.ranks]
-        own, header = by_levels[self.place.shard]
-        return messages, header, wire.unpack(_payload(own, header), header.meta_nbytes)
+        mine, header = by_levels[self.place.shard]
+        return messages, header, wire.unpack(_payload(mine, header), header.meta_nbytes)
 
     def _message(self, channel: Channel, step: int, batch: Mapping[str, Any]) -> tuple[torch.Tensor, Header]:
         plan = wire.plan(batch)
@@ -307,17 +309,19 @@ def post(settings: Settings, item: Item) -> Posted:
     if item.event is not None and item.sends:
         # the leader's tensor bytes are still being copied to the GPU: the collective waits for that
         torch.cuda.current_stream().wait_event(item.event)
+    current: Channel | None = None  # the channel whose collective is being posted
     try:
-        for channel, data in item.sends:
-            posted.works.append((channel, channel.post_data(data)))
+        for current, data in item.sends:
+            posted.works.append((current, current.post_data(data)))
         if item.receive is not None:
-            channel, header, _ = item.receive
+            current, header, _ = item.receive
             start = min(wire.data_start(header.meta_nbytes), header.payload_nbytes)
             posted.into = torch.empty(header.payload_nbytes, dtype=torch.uint8, device=settings.device)
             if start < header.payload_nbytes:
-                posted.works.append((channel, channel.post_data(posted.into[start:])))
+                posted.works.append((current, current.post_data(posted.into[start:])))
     except RuntimeError as e:
-        raise _transfer_error(settings, item.step, posted.works or item.sends or [item.receive], e) from e
+        assert current is not None
+        raise _transfer_error(settings, item.step, current, e) from e
     return posted
 
 
@@ -328,9 +332,10 @@ def complete(settings: Settings, posted: Posted) -> Item:
         try:
             work.wait()
         except RuntimeError as e:
-            raise _transfer_error(settings, item.step, [(channel, work)], e) from e
+            raise _transfer_error(settings, item.step, channel, e) from e
     if item.receive is not None:
         channel, header, meta = item.receive
+        assert posted.into is not None
         batch = wire.unpack(posted.into, header.meta_nbytes, meta=meta)
         item.batch = batch if channel.scattered else settings.routing.piece(batch, settings.place.shard)
         item.receive = None
@@ -362,8 +367,7 @@ def _delivery_error(settings: Settings, what: str, error: BaseException) -> Deli
     )
 
 
-def _transfer_error(settings: Settings, step: int, where: list, error: BaseException) -> DeliveryError:
-    channel = where[0][0]
+def _transfer_error(settings: Settings, step: int, channel: Channel, error: BaseException) -> DeliveryError:
     return _delivery_error(
         settings, f"could not move step {step}'s tensor bytes over the {channel.name} group (ranks {list(channel.ranks)})",
         error,

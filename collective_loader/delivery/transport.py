@@ -21,8 +21,9 @@ Two transports (see :mod:`collective_loader.delivery.protocol`):
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence, TypeVar
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,10 @@ def new_group(ranks: Sequence[int], backend: str, timeout: float | None, desc: s
         list(ranks), backend=backend, timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
         group_desc=desc,
     )
-    return group if dist.get_rank() in ranks else None
+    if dist.get_rank() not in ranks:
+        return None
+    assert isinstance(group, dist.ProcessGroup)
+    return group
 
 
 def mesh_device(device_type: str) -> torch.device:
@@ -126,7 +130,7 @@ class Channel:
         """
         nbytes = wire.HEADER_BYTES + self.carried_nbytes(header)
         for piece in self._pieces(nbytes):
-            if not self.scattered:
+            if isinstance(message, torch.Tensor) and not self.scattered:
                 dist.broadcast(message[piece], src=self.leader, group=self.group)
             else:
                 parts = [message] * len(self.ranks) if isinstance(message, torch.Tensor) else message
@@ -189,17 +193,17 @@ class Channel:
         makes the caller's stream wait (NCCL) or blocks until it is done (gloo).
         """
         assert self.data_group is not None
-        if self.scattered:
-            if dist.get_rank() == self.leader:
-                parts = list(data)
-                work = dist.scatter(torch.empty_like(parts[0]), parts, src=self.leader, group=self.data_group, async_op=True)
-                nbytes = parts[0].numel()
-            else:
-                work = dist.scatter(data, None, src=self.leader, group=self.data_group, async_op=True)
-                nbytes = data.numel()
-        else:
-            work = dist.broadcast(data, src=self.leader, group=self.data_group, async_op=True)
+        if isinstance(data, torch.Tensor):  # a member's buffer, or the one message of a broadcast
             nbytes = data.numel()
+            if self.scattered:
+                work = dist.scatter(data, None, src=self.leader, group=self.data_group, async_op=True)
+            else:
+                work = dist.broadcast(data, src=self.leader, group=self.data_group, async_op=True)
+        else:  # the scattering leader's per-member messages
+            parts = list(data)
+            nbytes = parts[0].numel()
+            work = dist.scatter(torch.empty_like(parts[0]), parts, src=self.leader, group=self.data_group, async_op=True)
+        assert work is not None
         self._count(nbytes)
         return work
 

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 JOIN_WAIT = 5.0  # seconds to wait for the watchdog thread at close
 SLOW_AFTER = 0.5  # share of ``after``: a call still running then is logged as slow (WARNING)

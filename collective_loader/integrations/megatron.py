@@ -18,7 +18,8 @@ size is the micro-batch size, and a training step consumes ``num_microbatches`` 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 

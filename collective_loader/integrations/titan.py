@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Iterator, Mapping, Sequence
+from typing import Annotated, Any
 
 import torch
 import tyro

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # pure module: the mesh is only read, never needed at import
     from torch.distributed.device_mesh import DeviceMesh
@@ -149,7 +150,7 @@ class MeshLayout:
         ranks: Sequence[int],
         roles: Mapping[str, str] | None = None,
         placement: str = DEFAULT_PLACEMENT,
-    ) -> "MeshLayout":
+    ) -> MeshLayout:
         """Check the mesh description and assign a role to every dim.
 
         ``roles`` overrides the defaults of :data:`DEFAULT_ROLES` for any dim name;
@@ -192,7 +193,7 @@ class MeshLayout:
     @classmethod
     def from_mesh(
         cls, mesh: DeviceMesh, roles: Mapping[str, str] | None = None, placement: str = DEFAULT_PLACEMENT
-    ) -> "MeshLayout":
+    ) -> MeshLayout:
         """The layout of a ``torch.distributed.device_mesh.DeviceMesh`` (needs named dims)."""
         if mesh.mesh_dim_names is None:
             raise ValueError("the DeviceMesh needs named dims (mesh_dim_names=...)")

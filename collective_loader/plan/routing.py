@@ -12,8 +12,9 @@ Pure logic over batches (mappings of str to tensors and plain values); no commun
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 

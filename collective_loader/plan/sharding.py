@@ -17,7 +17,8 @@ Pure tensor code; nothing here talks to ``torch.distributed``.
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 import enum
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -84,7 +85,7 @@ class Header:
         return torch.tensor(words + [0] * (HEADER_WORDS - len(words)), dtype=torch.int64)
 
     @classmethod
-    def decode(cls, words: torch.Tensor, max_payload_bytes: int) -> "Header":
+    def decode(cls, words: torch.Tensor, max_payload_bytes: int) -> Header:
         """Check and decode a received header; raise :class:`WireError` if anything is off."""
         if words.dtype != torch.int64 or words.dim() != 1 or words.numel() != HEADER_WORDS:
             raise WireError(f"header must be {HEADER_WORDS} int64 words, got {words.numel()} {words.dtype}")

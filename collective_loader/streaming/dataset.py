@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any
 
 from streaming import StreamingDataset
 from streaming.base.dataset import TICK, _ShardState
@@ -102,7 +103,9 @@ class DownloadFailureRaisingDataset(StreamingDataset):
             # two of its three loops have: when both download threads raise, it would wait for ever
             it.on_exit()
 
+    _download_error: BaseException | None = None
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self._download_error: BaseException | None = None
+        self._download_error = None
         yield from super().__iter__()
         self._raise_if_failed()

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -126,6 +127,7 @@ class _LeadersBarrier:
             return self._real(*args, **kwargs)
         if target is None:  # one leader: nobody to wait for
             return None
+        assert isinstance(target, dist.ProcessGroup)
         self._agree(target)
         return None
 

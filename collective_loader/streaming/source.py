@@ -21,7 +21,8 @@ from __future__ import annotations
 import datetime
 import os
 import warnings
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch.utils.data import DataLoader
@@ -95,7 +96,7 @@ class StreamingSource:
         self._dataloader_kwargs = dict(dataloader_kwargs or {})
         self._dataset_kwargs = dataset_kwargs
 
-    def __call__(self) -> "LeaderStream":
+    def __call__(self) -> LeaderStream:
         """Build the dataset and DataLoader (leaders only; ``CollectiveLoader`` calls this)."""
         if not self.place.is_leader:
             raise RuntimeError(f"rank {self.place.rank} is not a leader; only leaders build the dataset")

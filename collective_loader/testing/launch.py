@@ -15,8 +15,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist

@@ -29,8 +29,9 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 APP_ID_VARIABLE = "AWS_SDK_UA_APP_ID"  # botocore: appended to the User-Agent as "app/<value>"
 UNNAMED = "unnamed"  # the client of a request whose User-Agent names no app
@@ -115,7 +116,7 @@ class S3Endpoint:
         self._thread.join()
         self._server, self._thread = None, None
 
-    def __enter__(self) -> "S3Endpoint":
+    def __enter__(self) -> S3Endpoint:
         self.start()
         return self
 

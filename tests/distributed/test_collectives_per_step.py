@@ -31,7 +31,10 @@ def _expected(loader, step, length):
 def varying_sizes(delivery: str, keep: bool, lengths: list[int]):
     """Run one epoch; return (collectives, allocations, wrong steps) for this rank."""
     mesh = ranks.make_mesh(*MESH)
-    source = lambda: (ranks.sample_batch([i], n) for i, n in enumerate(lengths))
+
+    def source():
+        return (ranks.sample_batch([i], n) for i, n in enumerate(lengths))
+
     loader = CollectiveLoader(source, mesh, **ranks.KEYS, delivery=delivery, timeout=60)
     kept, wrong = [], []
     for step, batch in enumerate(loader):

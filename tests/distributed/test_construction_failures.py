@@ -20,8 +20,8 @@ from collective_loader import (
     LeaderError,
     mesh_place,
 )
-from collective_loader.demo import INPUTS, LABELS, write_dataset
 from collective_loader.streaming import StreamingSource
+from collective_loader.testing.data import INPUTS, LABELS, write_dataset
 
 MESH = (("dp", "tp"), (2, 2))
 FAILING = 2  # the rank (the second replica's leader) whose phase fails

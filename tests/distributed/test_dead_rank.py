@@ -132,7 +132,8 @@ class StallingSource:
 
     def __iter__(self):
         self._stall("iter")
-        for self.step, batch in enumerate(ranks.id_batches(self.dp, 2, 1000, 2, 16)):
+        for self.step, batch in enumerate(  # noqa: B020 (records the step being loaded)
+            ranks.id_batches(self.dp, 2, 1000, 2, 16)):
             self._stall("next")
             yield batch
 

@@ -14,17 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from collective_loader.demo import (
-    INPUTS,
-    LABELS,
-    SEQ_DIMS,
-    expected,
-    parse_mesh,
-    verdicts,
-)
+from collective_loader.demo import parse_mesh, verdicts
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
 from collective_loader.testing import invariants
+from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected
 
 FAILING_DEMO = Path(__file__).resolve().parents[1] / "support" / "failing_demo.py"
 

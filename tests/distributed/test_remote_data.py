@@ -28,10 +28,10 @@ import torch.distributed as dist
 from conftest import S3_BUCKET, s3_shards
 
 from collective_loader import CollectiveLoader, LeaderError
-from collective_loader.demo import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
 from collective_loader.plan.routing import Routing
 from collective_loader.streaming import StreamingSource, remove_stale
 from collective_loader.testing import invariants
+from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 
 SAMPLES, SEQ, BATCH = 128, 16, 4

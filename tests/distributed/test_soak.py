@@ -60,7 +60,7 @@ def soak(steps: int):
     warm = steps // 10
     samples, in_epoch = [], None
     n = 0
-    for n, batch in enumerate(loader, 1):
+    for n, _ in enumerate(loader, 1):
         if n == warm:
             in_epoch = (_fds(), _threads(), _ours())
         if n >= warm and n % max(1, steps // 100) == 0:

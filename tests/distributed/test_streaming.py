@@ -23,20 +23,13 @@ import torch
 import torch.distributed as dist
 
 from collective_loader import CollectiveLoader, LeaderError
-from collective_loader.demo import (
-    INPUTS,
-    LABELS,
-    SEQ_DIMS,
-    DemoArgs,
-    expected,
-    label_mismatch,
-    naive_ids,
-    write_dataset,
-)
+from collective_loader.delivery.transport import new_group
+from collective_loader.demo import DemoArgs, failed, label_mismatch, naive_ids
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
 from collective_loader.streaming import StreamingSource
 from collective_loader.testing import invariants
+from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
 
 SAMPLES, SEQ = 96, 16
 
@@ -82,7 +75,10 @@ def epochs(data, dims, shape, *, batch_size=4, n_epochs=1, **kw):
 
 def naive(data, dims, shape, batch_size=4):
     layout = MeshLayout.build(dims, shape, range(dist.get_world_size()))
-    return naive_ids(DemoArgs(dims, shape, data, SAMPLES, batch_size, SEQ, "zigzag", "broadcast", 0), layout)
+    group = new_group(range(dist.get_world_size()), "gloo", 60.0, "test:naive")
+    assert group is not None
+    args = DemoArgs(dims, shape, data, SAMPLES, batch_size, SEQ, "zigzag", "broadcast", 0)
+    return naive_ids(args, layout, group, failed("the naive run"))
 
 
 def resume(data, dims, shape, stop_after, num_workers):

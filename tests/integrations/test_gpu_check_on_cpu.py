@@ -13,7 +13,7 @@ import torch
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 sys.path.append(BENCH)  # appended: bench's modules never shadow the tests' own
 
-import gpu_check
+import gpu_check  # noqa: E402 (bench/ is on the path only from here)
 
 CPU = torch.device("cpu")
 

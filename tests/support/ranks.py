@@ -6,7 +6,8 @@ received: ``input_ids[s] = id * 1000 + s``, ``labels = input_ids + 1``, ``positi
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

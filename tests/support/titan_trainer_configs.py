@@ -16,8 +16,9 @@ import itertools
 import json
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch

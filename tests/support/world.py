@@ -10,9 +10,10 @@ from __future__ import annotations
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 

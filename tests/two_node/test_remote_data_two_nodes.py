@@ -24,18 +24,12 @@ from conftest import S3_BUCKET, s3_shards
 from torch.distributed.device_mesh import init_device_mesh
 
 from collective_loader import CollectiveLoader
-from collective_loader.demo import (
-    INPUTS,
-    LABELS,
-    SEQ_DIMS,
-    expected,
-    parse_mesh,
-    write_dataset,
-)
+from collective_loader.demo import parse_mesh
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
 from collective_loader.streaming import StreamingSource
 from collective_loader.testing import invariants
+from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE
 
 SAMPLES, SEQ, BATCH = 128, 16, 4

@@ -24,18 +24,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from collective_loader import CollectiveLoader
-from collective_loader.demo import (
-    INPUTS,
-    LABELS,
-    SEQ_DIMS,
-    expected,
-    parse_mesh,
-    write_dataset,
-)
+from collective_loader.demo import parse_mesh
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
 from collective_loader.streaming import StreamingSource
 from collective_loader.testing import invariants
+from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
 
 SAMPLES, SEQ, BATCH = 128, 16, 4  # dp=2: 16 steps per epoch
 TRAIN_MESH = ("dp", "pp", "tp"), (2, 2, 2)  # one replica, and its leader, per node

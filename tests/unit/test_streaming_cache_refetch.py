@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from collective_loader.demo import write_dataset
 from collective_loader.streaming import release
 from collective_loader.streaming.dataset import DownloadFailureRaisingDataset
+from collective_loader.testing.data import write_dataset
 
 SAMPLES, SEQ, SHARD_BYTES = 256, 16, 1 << 11  # 14 shards of about 19 samples
 
