@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.mesh import MeshLayout
@@ -52,7 +53,7 @@ class MegatronBatch(NamedTuple):
 
 def megatron_loader(
     source: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Mapping[str, Any]]],
-    mesh: Any,
+    mesh: DeviceMesh,
     *,
     attention_mask: bool = False,
     packed: bool = False,

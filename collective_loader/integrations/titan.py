@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.loader import CollectiveLoader
 
@@ -69,7 +70,7 @@ class TitanDataLoader:
     def __init__(
         self,
         source: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Mapping[str, Any]]],
-        mesh: Any,
+        mesh: DeviceMesh,
         *,
         inputs: tuple[str, ...] = ("input",),
         labels: str = "labels",

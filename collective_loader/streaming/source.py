@@ -25,11 +25,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
 from collective_loader.delivery.transport import new_group
 from collective_loader.delivery.workers import stop_workers
-from collective_loader.plan.mesh import MeshLayout
+from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement
 from collective_loader.streaming.cleanup import release, remove_stale
 from collective_loader.streaming.leaders import leader_env, leaders_world
 from collective_loader.text.collate import lm_collate
@@ -64,13 +65,13 @@ class StreamingSource:
 
     def __init__(
         self,
-        mesh: Any,
+        mesh: DeviceMesh,
         *,
         batch_size: int,
         collate: Callable[[Sequence[Sample]], Mapping[str, Any]] = lm_collate,
         num_workers: int = 0,
         roles: Mapping[str, str] | None = None,
-        placement: str = "spread",
+        placement: Placement = DEFAULT_PLACEMENT,
         clean_stale: bool = False,
         timeout: float = 600.0,
         dataloader_kwargs: Mapping[str, Any] | None = None,
