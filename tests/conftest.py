@@ -1,13 +1,12 @@
-"""Shared fixtures: one gloo world alive at a time, reused by the tests of a module."""
+"""Shared fixtures: one gloo world alive at a time, reused by the tests of a module; a local S3 endpoint."""
 
 from __future__ import annotations
 
 import pytest
+from s3_bucket import S3_BUCKET
 from world import World  # tests/support is on the path (pyproject's pythonpath)
 
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
-
-S3_BUCKET = "collective-loader-tests"
 
 
 class Worlds:
@@ -35,13 +34,6 @@ def worlds():
     w = Worlds()
     yield w
     w.close()
-
-
-def s3_shards(s3: S3Endpoint, remote: str) -> list[str]:
-    """The keys of the shards under ``remote`` (``s3://S3_BUCKET/prefix``), sorted."""
-    prefix = remote.split("/", 3)[3] + "/"
-    listing = s3.client().list_objects_v2(Bucket=S3_BUCKET, Prefix=prefix)["Contents"]
-    return sorted(o["Key"] for o in listing if o["Key"].endswith(".mds"))
 
 
 @pytest.fixture(scope="module")

@@ -175,7 +175,7 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MAS
         (["--mesh", "dp=2,dp=2"], {}, r"--mesh dp=2,dp=2: mesh dim names must be unique"),
         (["--mesh", "dp=0"], {}, r"--mesh dp=0: mesh dims must have size >= 1"),
         (["--mesh", "cp=3"], {},
-         r"--mesh cp=3: --seq-len 64 cannot be split over cp=3 by the zigzag layout; use a multiple of 6"),
+         r"--mesh cp=3: --seq-len 64 cannot be split over cp=3 by the zigzag split; use a multiple of 6"),
         # under torchrun (its environment, one process): the mesh must match the world it started
         (["--mesh", "pp=2,dp=2,tp=2"], {**TORCHRUN_ENV, "WORLD_SIZE": "4"},
          r"--mesh pp=2,dp=2,tp=2: the mesh has 8 ranks, the world 4"),

@@ -158,7 +158,7 @@ def test_source_exception_reaches_every_rank(world, at_step):
     [
         ("missing", 2, "missing keys ['labels']"),
         ("extra", 1, "keys ['surprise'] that are in none of"),
-        ("length", 0, "key 'input_ids' has length 10 along dim 1; the zigzag layout over cp=2 needs a multiple of 4"),
+        ("length", 0, "key 'input_ids' has length 10 along dim 1; the zigzag split over cp=2 needs a multiple of 4"),
         ("not_a_mapping", 1, "a batch must be a mapping of str to tensors, got list"),
         ("object", 2, "cannot deliver builtins.object at 'sample_id'"),
         ("over_cap", 3, "first-stage payload is"),

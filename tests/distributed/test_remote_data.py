@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import ranks
 import torch.distributed as dist
-from conftest import S3_BUCKET, s3_shards
+from s3_bucket import S3_BUCKET, s3_shards
 
 from collective_loader import CollectiveLoader, LeaderError
 from collective_loader.plan.routing import Routing

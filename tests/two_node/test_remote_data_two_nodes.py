@@ -20,7 +20,7 @@ import nodes
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import S3_BUCKET, s3_shards
+from s3_bucket import S3_BUCKET, s3_shards
 from torch.distributed.device_mesh import init_device_mesh
 
 from collective_loader import CollectiveLoader
