@@ -38,8 +38,7 @@ from collective_loader.delivery.workers import stop_workers
 from collective_loader.errors import ConfigMismatchError, ConstructionError, LeaderError
 from collective_loader.plan import wire
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Place, Placement
-from collective_loader.plan.routing import Routing
-from collective_loader.plan.sharding import Split
+from collective_loader.plan.routing import Routing, SequenceSplit
 from collective_loader.plan.wire import Kind
 
 Batch = dict[str, Any]
@@ -60,7 +59,9 @@ class CollectiveLoader:
             packed-sequence metadata like ``cu_seqlens`` that every attention layer reads).
         seq_dims: keys split over the shard dims, and along which dim; other keys are copied.
         split: ``"zigzag"`` or ``"contiguous"``: how a sequence is cut over a shard dim
-            (:mod:`collective_loader.plan.sharding`).
+            (:mod:`collective_loader.plan.sharding`); or a
+            :class:`~collective_loader.plan.documents.PerDocument`: each packed document cut on
+            its own, with each rank's attention metadata (:mod:`collective_loader.plan.documents`).
         roles: ``{dim_name: "data" | "pipeline" | "replicate" | "shard"}`` overriding the
             defaults (see :data:`collective_loader.plan.mesh.DEFAULT_ROLES`).
         placement: where each replica's leader sits: ``"spread"`` (default: over the pipeline
@@ -101,7 +102,7 @@ class CollectiveLoader:
         labels: tuple[str, ...] = ("labels",),
         every_stage: tuple[str, ...] = (),
         seq_dims: Mapping[str, int] | None = None,
-        split: Split = "zigzag",
+        split: SequenceSplit = "zigzag",
         roles: Mapping[str, str] | None = None,
         placement: Placement = DEFAULT_PLACEMENT,
         delivery: Delivery = "broadcast",
@@ -344,7 +345,7 @@ def _close_live_loaders() -> None:
 
 def _check_arguments(
     mesh: DeviceMesh, inputs: tuple[str, ...], labels: tuple[str, ...], every_stage: tuple[str, ...],
-    seq_dims: Mapping[str, int] | None, split: Split, roles: Mapping[str, str] | None, placement: Placement,
+    seq_dims: Mapping[str, int] | None, split: SequenceSplit, roles: Mapping[str, str] | None, placement: Placement,
     delivery: Delivery, transport: Transport, prefetch: int | None, timeout: float, max_batch_bytes: int,
 ) -> tuple[MeshLayout, Place, Routing, torch.device, int, float, int]:
     """Check the arguments and derive this rank's settings (local: no collective)."""

@@ -6,8 +6,11 @@ Pure logic over batches (mappings of str to tensors and plain values); no commun
   may be in both), keys in ``every_stage`` to every stage, middle ones included (packed-sequence
   metadata such as ``cu_seqlens``, which every layer's attention reads); with one stage every
   rank gets all keys, middle stages get only the ``every_stage`` keys;
-* keys in ``seq_dims`` are split along that dim over the shard dims (see
-  :mod:`collective_loader.plan.sharding`); every other key is replicated.
+* keys in ``seq_dims`` are split along that dim over the shard dims; every other key is
+  replicated. ``split`` says how: ``"zigzag"`` or ``"contiguous"`` cut every row as a whole
+  (:mod:`collective_loader.plan.sharding`); a :class:`~collective_loader.plan.documents.PerDocument`
+  cuts every packed document on its own and adds each rank's attention metadata
+  (:mod:`collective_loader.plan.documents`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from typing import Any
 import torch
 
 from collective_loader.errors import BatchError
-from collective_loader.plan import sharding
+from collective_loader.plan import documents, sharding
+from collective_loader.plan.documents import PerDocument
+
+SequenceSplit = sharding.Split | PerDocument
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class Routing:
     inputs: tuple[str, ...]
     labels: tuple[str, ...]
     seq_dims: Mapping[str, int]
-    split: sharding.Split
+    split: SequenceSplit
     shard_dims: tuple[tuple[str, int], ...] = field(default=())
     every_stage: tuple[str, ...] = field(default=())
 
@@ -63,7 +69,10 @@ class Routing:
         for key, dim in self.seq_dims.items():
             if not isinstance(dim, int) or isinstance(dim, bool):
                 raise TypeError(f"seq_dims[{key!r}] must be an int dim, got {dim!r}")
-        sharding.divisor([], self.split)  # validates the split name
+        if isinstance(self.split, PerDocument):
+            self.split.validate(self.seq_dims, self.every_stage, self.keys)
+        elif self.split not in sharding.SPLITS:
+            raise ValueError(f"split must be one of {sharding.SPLITS} or a PerDocument(...), got {self.split!r}")
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -77,6 +86,11 @@ class Routing:
         if missing:
             raise BatchError(f"batch is missing keys {missing} (it has {sorted(map(str, batch))})")
         extra = [k for k in batch if k not in self.keys]
+        computed = [k for k in extra if isinstance(self.split, PerDocument) and k in documents.METADATA]
+        if computed:
+            raise BatchError(
+                f"batch has keys {computed}, which the per-document split computes for every rank; drop them in the source"
+            )
         if extra:
             raise BatchError(
                 f"batch has keys {extra} that are in none of inputs={self.inputs}, labels={self.labels} and "
@@ -84,6 +98,9 @@ class Routing:
             )
         for key, dim in self.seq_dims.items():
             _check_seq_value(key, dim, batch[key])
+        if isinstance(self.split, PerDocument):
+            self.split.check(batch, self.seq_dims)
+            return
         need = sharding.divisor([(size, 0) for _, size in self.shard_dims], self.split)
         if need == 1:  # nothing is split: any length will do
             return
@@ -107,7 +124,13 @@ class Routing:
         return {k: v for k, v in batch.items() if k in wanted}
 
     def piece(self, selected: Mapping[str, Any], levels: Sequence[tuple[int, int]]) -> dict[str, Any]:
-        """The part of ``selected`` a rank at shard ``levels`` keeps; other keys pass through."""
+        """The part of ``selected`` a rank at shard ``levels`` keeps; other keys pass through.
+
+        Under a :class:`PerDocument` split, also at one shard rank: the rows flattened, the
+        documents padded, the attention metadata added.
+        """
+        if isinstance(self.split, PerDocument):
+            return self.split.piece(selected, self.seq_dims, levels)
         if not levels or all(size == 1 for size, _ in levels):
             return dict(selected)
         return {

@@ -7,7 +7,8 @@ duplicated or lost sample all fail:
 
 a. *copies*: every rank holds exactly its keys, replicated keys equal the full tensor, and
    ranks that differ only along replicate dims hold bit-identical pieces;
-b. *shards*: each rank's piece is its slice, and the pieces of a step reassemble the full tensor;
+b. *shards*: each rank's piece is its slice, and the pieces of a step reassemble the full tensor
+   (under a per-document split: each rank's whole batch, metadata included, is its piece);
 c. *labels match inputs*: the last stage's samples at step k are the first stage's at step k;
 d. *coverage*: replicas get disjoint samples that together are exactly the expected set;
 e. *middle stages* get only the ``every_stage`` keys (often nothing), and every rank sees the
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from collective_loader.plan import sharding
+from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.routing import Routing
 
 
@@ -112,34 +114,48 @@ def _check_step(
         return []
     ids = list(all_sets.pop())
     full = expected(ids)
+    split = routing.split
     pieces: dict[str, dict[tuple[int, ...], torch.Tensor]] = defaultdict(dict)
     for rec in recs:
         if rec.stage == "middle" and not routing.every_stage:
             continue
         batch = rec.steps[step]
-        want_keys = set(routing.select(full, rec.stage))
-        if set(batch) != want_keys:
-            problems["e" if rec.stage == "middle" else "a"].append(f"{where}: rank {rec.rank} ({rec.stage}) got keys {sorted(batch)}, want {sorted(want_keys)}")
+        want_batch = routing.select(full, rec.stage)
+        if isinstance(split, PerDocument):  # every rank's batch is reshaped, metadata added, also at cp=1
+            want_batch = routing.piece(want_batch, rec.shard)
+        if set(batch) != set(want_batch):
+            problems["e" if rec.stage == "middle" else "a"].append(
+                f"{where}: rank {rec.rank} ({rec.stage}) got keys {sorted(batch)}, want {sorted(want_batch)}"
+            )
             continue
         for key, value in batch.items():
             # a wrong label-only key means labels and inputs came apart: that is (c)
             label_only = key in routing.labels and key not in routing.inputs
-            if key in routing.seq_dims and rec.shard:
-                want = sharding.shard(full[key], routing.seq_dims[key], rec.shard, routing.split)
+            if key in routing.seq_dims and (rec.shard or isinstance(split, PerDocument)):
+                if isinstance(split, PerDocument):
+                    want = want_batch[key]
+                else:
+                    want = sharding.shard(full[key], routing.seq_dims[key], rec.shard, split)
                 if not _equal(value, want):
-                    problems["c" if label_only else "b"].append(f"{where}: rank {rec.rank} holds a wrong piece of {key!r}")
+                    problems["c" if label_only else "b"].append(
+                        f"{where}: rank {rec.rank} holds a wrong piece of {key!r}"
+                    )
                 index = tuple(i for _, i in rec.shard)
                 if index in pieces[key] and not _equal(pieces[key][index], value):
                     problems["a"].append(f"{where}: replicate peers differ on {key!r}")
                 pieces[key][index] = value
-            elif not _equal(value, full[key]):
+            elif not _equal(value, want_batch[key]):
                 problems["c" if label_only else "a"].append(f"{where}: rank {rec.rank} holds a wrong {key!r}")
     sizes = [size for size, _ in recs[0].shard]
     for key, by_index in pieces.items():
         if len(by_index) != math.prod(sizes):
             problems["b"].append(f"{where}: {key!r} has {len(by_index)} of {math.prod(sizes)} pieces")
             continue
-        rebuilt = sharding.unshard([by_index[i] for i in sorted(by_index)], routing.seq_dims[key], sizes, routing.split)
+        ordered = [by_index[i] for i in sorted(by_index)]
+        if isinstance(split, PerDocument):
+            rebuilt = split.unshard(ordered, sizes, split.documents(full)).reshape(full[key].shape)
+        else:
+            rebuilt = sharding.unshard(ordered, routing.seq_dims[key], sizes, split)
         if not _equal(rebuilt, full[key]):
             label_only = key in routing.labels and key not in routing.inputs
             problems["c" if label_only else "b"].append(f"{where}: {key!r} pieces do not reassemble")
