@@ -27,6 +27,7 @@ from collective_loader.errors import (
     WireError,
 )
 from collective_loader.loader import CollectiveLoader
+from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.mesh import MeshLayout, Place, mesh_place
 
 # nothing is printed unless the application configures logging
@@ -40,6 +41,7 @@ __all__ = [
     "DeliveryError",
     "LeaderError",
     "MeshLayout",
+    "PerDocument",
     "Place",
     "ShardDownloadError",
     "WireError",

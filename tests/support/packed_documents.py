@@ -1,9 +1,10 @@
 """Packed rows of documents and the attention check of the per-document split, shared by the
 unit tests and the tests over real worlds.
 
-A row (``packed_row(i)``) packs documents whose lengths follow from its id; it carries what a
-packer gives per row: ``positions`` restarting at 0 at each document, ``cu_seqlens`` (fixed
-width, filled by repeating the row length), and queries, keys and values for the attention check.
+A row (``packed_row(i)``) packs documents whose lengths follow from its id; it carries what the
+packer (:mod:`collective_loader.text.packing`) gives per row: ``position_ids`` restarting at 0 at
+each document, ``cu_seqlens`` (fixed width, filled by repeating the row length), ``sequence_id``
+(each token's document in its row), and queries, keys and values for the attention check.
 
 :func:`check_attention`: every shard rank attends with its own queries to the keys and values of
 every rank, masking only with what it was delivered (document ids and positions; and, as
@@ -27,7 +28,7 @@ from collective_loader.plan.documents import PerDocument
 
 HEADS, DIM = 2, 4
 LENGTH, WIDTH = 24, 9  # tokens per row; cu_seqlens entries per row (at most WIDTH - 1 documents)
-SEQ_KEYS = ("input_ids", "labels", "positions", "loss_mask", "q", "k", "v")
+SEQ_KEYS = ("input_ids", "labels", "position_ids", "sequence_id", "loss_mask", "q", "k", "v")
 
 
 def row_documents(sample_id: int, length: int = LENGTH, most: int = WIDTH - 1) -> list[int]:
@@ -47,7 +48,8 @@ def packed_row(sample_id: int, length: int = LENGTH, width: int = WIDTH) -> dict
     return {
         "input_ids": ids,
         "labels": ids + 1,
-        "positions": torch.cat([torch.arange(n) for n in docs]),
+        "position_ids": torch.cat([torch.arange(n) for n in docs]),
+        "sequence_id": torch.cat([torch.full((n,), i) for i, n in enumerate(docs)]),
         "loss_mask": (ids % 5 != 0).float(),
         "cu_seqlens": torch.tensor(offsets + [length] * (width - len(offsets)), dtype=torch.int32),
         "sample_id": torch.tensor(sample_id),
