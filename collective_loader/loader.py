@@ -256,16 +256,22 @@ class CollectiveLoader:
         The source state is the leader's ``source.state_dict()`` taken right after the last
         consumed batch, when the source has one (a ``StatefulDataLoader``,
         :class:`collective_loader.streaming.StreamingSource`); otherwise ``None``, and a resume
-        skips the consumed batches.
+        skips the consumed batches. A source with ``gather_state`` (a packing ``StreamingSource``)
+        turns it into one state over every leader there (a collective over the leaders), so that
+        every rank saves what every leader has trained.
         """
         epoch = self._epoch
         steps = epoch.steps if epoch is not None else 0
+        source_state = epoch.source_state if epoch is not None else None
+        gather = getattr(self._source, "gather_state", None)
+        if self.is_leader and callable(gather):
+            source_state = gather(source_state)
         state = {
             "format": 1,
             "dp_size": self.dp_size,
             "epoch": max(self.epoch - 1, 0),
             "steps": steps,
-            "source": epoch.source_state if epoch is not None else None,
+            "source": source_state,
             "source_elastic": bool(getattr(self._source, "supports_elastic_resume", False)),
         }
         channel = self.settings.groups.replica

@@ -1,5 +1,29 @@
-"""Text data for language models: what a leader turns its samples into (token ids, labels, positions)."""
+"""Text data for language models: what a leader turns its samples into (token ids, labels, positions).
+
+* :mod:`~collective_loader.text.layouts`: where a sample's tokens are (LLM Foundry's MDS
+  layouts): :class:`TokenColumn` (bytes of a dtype, or an integer ndarray), :class:`TextColumn`;
+* :mod:`~collective_loader.text.tokenizer`: :class:`Encoder`, one call over the tokenizers users have;
+* :mod:`~collective_loader.text.packing`: :class:`Packing`, the :class:`Packer` and the batch of
+  packed rows with its document boundaries;
+* :mod:`~collective_loader.text.rows`: :class:`PackedRows`, a packing leader's epoch and its cursor;
+* :mod:`~collective_loader.text.resume`: the hand-over that makes a resume exact;
+* :mod:`~collective_loader.text.collate`: :func:`lm_collate` for rows written whole.
+"""
 
 from collective_loader.text.collate import lm_collate
+from collective_loader.text.layouts import TextColumn, TokenColumn
+from collective_loader.text.packing import BOUNDARIES, IGNORE_INDEX, Packing
+from collective_loader.text.rows import PackedRows
+from collective_loader.text.tokenizer import Encoder, load_tokenizer
 
-__all__ = ["lm_collate"]
+__all__ = [
+    "BOUNDARIES",
+    "IGNORE_INDEX",
+    "Encoder",
+    "PackedRows",
+    "Packing",
+    "TextColumn",
+    "TokenColumn",
+    "lm_collate",
+    "load_tokenizer",
+]
