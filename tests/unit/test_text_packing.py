@@ -156,7 +156,9 @@ def test_resume_with_another_dp_degree_trains_every_token_once(lens, seq_len, ba
     before = [t for b, _, _ in first_run for t in all_tokens(b[:stop])]
     after = []
     for r in range(new):
-        tail, _, _ = run(packing, batch_rows, docs, new, r, global_batch // new, first, (entries, (old, old)), (new, new))
+        tail, _, _ = run(
+            packing, batch_rows, docs, new, r, global_batch // new, first, (entries, (old, old)), (new, new)
+        )
         after += all_tokens(tail)
     every = Counter(int(t) for d in docs for t in d)
     got = Counter(before + after)
@@ -177,7 +179,17 @@ def test_two_resumes_in_a_row_train_every_token_once(lens, seq_len, dps, data):
     entries, world, first = None, None, 0
     for i, dp in enumerate(dps):
         runs = [
-            run(packing, batch_rows, docs, dp, r, global_batch // dp, first, None if entries is None else (entries, world), (dp, dp))
+            run(
+                packing,
+                batch_rows,
+                docs,
+                dp,
+                r,
+                global_batch // dp,
+                first,
+                None if entries is None else (entries, world),
+                (dp, dp),
+            )
             for r in range(dp)
         ]
         steps = min(len(b) for b, _, _ in runs)
@@ -202,7 +214,10 @@ def test_cursor_names_the_first_document_with_tokens_left():
     next(batches)  # doc 2's last 3, doc 3's one: both batches done
     assert rows.cursor() == Cursor(1, 2, 0)
     assert rows.log.hand_over(0, rows.cursor(), 0)[0].tolist() == [
-        [0, 0, 0, -1], [0, 0, 1, -1], [0, 1, 2, -1], [0, 1, 3, -1]
+        [0, 0, 0, -1],
+        [0, 0, 1, -1],
+        [0, 1, 2, -1],
+        [0, 1, 3, -1],
     ]
 
 
