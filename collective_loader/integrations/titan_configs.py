@@ -1,27 +1,36 @@
-"""TorchTitan 0.3's own Trainer on :class:`~collective_loader.integrations.titan.TitanDataLoader`, from the command line.
+"""TorchTitan 0.3's own Trainer with data loaded once per data-parallel replica, from the command line.
 
-Every llama3 config of TorchTitan is here under its own name, with its dataloader replaced by
-:class:`TitanStreamingDataLoader` (an MDS dataset that only the data-parallel leaders read)::
+Every config function of TorchTitan's model registries (``torchtitan/models/<family>/config_registry.py``:
+llama3, qwen3, qwen3_5, deepseek_v3, gpt_oss, kimi_k2_7, muse_glimmer, flux) is here under its own
+name, with one change (:func:`load_once_per_replica`): its dataloaders, training and validation,
+are built on one leader per replica and deliver every batch to the replica's other ranks::
 
     torchrun --nproc-per-node 8 -m torchtitan.train \\
-        --module collective_loader.integrations.titan_configs --config llama3_8b \\
-        --dataloader.dataset_path /data/mds --parallelism.pipeline_parallel_degree 2
+        --module collective_loader.titan_configs --config llama3_8b \\
+        --parallelism.pipeline_parallel_degree 2
 
-For your own config function: ``return with_collective_loader(my_config(), dataset_path="/data/mds")``.
+For your own config function: ``return load_once_per_replica(my_config())``. To read an MDS
+dataset of token ids instead (:class:`TitanStreamingDataLoader`):
+``return with_collective_loader(my_config(), dataset_path="/data/mds")``.
 
 TorchTitan builds its dataloader with ``config.dataloader.build(dp_world_size=, dp_rank=,
 tokenizer=, seq_len=, local_batch_size=, snapshot_every_n_steps=)``, without the mesh, which the
 loader needs to know each rank's pipeline stage and replica. So the trainer is
 :class:`TitanTrainer`, TorchTitan's ``Trainer`` with one method extended: ``init_distributed()``
-hands TorchTitan's data-loading mesh ``["pp", "batch", "cp", "tp"]`` to the dataloader config
-before the Trainer builds the dataloader. Nothing else of the Trainer changes.
+hands TorchTitan's data-loading mesh ``["pp", "batch", "cp", "tp"]`` to the dataloader configs
+before the Trainer builds them. Nothing else of the Trainer changes. A config of another trainer
+class (``FluxTrainer.Config``, a ``Trainer.Config`` subclass) gets the same extension of its own
+trainer class (:func:`collective_trainer_config`).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import importlib
 import itertools
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -33,9 +42,19 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
 from collective_loader.integrations.titan import TitanDataLoader
+from collective_loader.integrations.titan_wrap import wrap_dataloader
 from collective_loader.streaming import StreamingSource, lm_collate
 
-__all__ = ["DATA_MESH", "TitanStreamingDataLoader", "TitanTrainer", "titan_collate", "with_collective_loader"]
+__all__ = [
+    "DATA_MESH",
+    "CollectiveMesh",
+    "TitanStreamingDataLoader",
+    "TitanTrainer",
+    "collective_trainer_config",
+    "load_once_per_replica",
+    "titan_collate",
+    "with_collective_loader",
+]
 
 DATA_MESH = ["pp", "batch", "cp", "tp"]  # TorchTitan's data-loading mesh (ParallelDims.build_mesh)
 
@@ -156,57 +175,138 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
                 return
 
 
-class TitanTrainer(Trainer):
-    """TorchTitan's ``Trainer``; ``init_distributed()`` also hands the data-loading mesh to a
-    :class:`TitanStreamingDataLoader` config. Build it from ``TitanTrainer.Config`` (see
-    :func:`with_collective_loader`)."""
+class CollectiveMesh:
+    """Extends a TorchTitan ``Trainer`` class: ``init_distributed()`` also hands TorchTitan's
+    data-loading mesh to the dataloader configs that need it (training and validation)."""
+
+    config: Trainer.Config
+
+    def init_distributed(self) -> ParallelDims:
+        parallel_dims = super().init_distributed()  # type: ignore[misc]
+        mesh = parallel_dims.get_optional_mesh(DATA_MESH, include_singleton_axes=True)
+        validation = getattr(self.config.validator, "dataloader", None)
+        for dataloader in (self.config.dataloader, validation):
+            if hasattr(dataloader, "_mesh"):  # TitanStreamingDataLoader's, wrap_dataloader's
+                dataloader._mesh = mesh  # type: ignore[union-attr]
+        return parallel_dims
+
+
+class TitanTrainer(CollectiveMesh, Trainer):
+    """TorchTitan's ``Trainer``; ``init_distributed()`` also hands the data-loading mesh to the
+    dataloader configs (see :class:`CollectiveMesh`). Build it from ``TitanTrainer.Config`` (see
+    :func:`load_once_per_replica`)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         pass
 
-    def init_distributed(self) -> ParallelDims:
-        parallel_dims = super().init_distributed()
-        if isinstance(self.config.dataloader, TitanStreamingDataLoader.Config):
-            self.config.dataloader._mesh = parallel_dims.get_optional_mesh(DATA_MESH, include_singleton_axes=True)
-        return parallel_dims
+
+@functools.cache
+def _collective_trainer_class(config_class: type) -> type:
+    """The config class of ``config_class``'s trainer extended by :class:`CollectiveMesh`."""
+    owner = config_class._owner
+    if not (isinstance(owner, type) and issubclass(owner, Trainer)):
+        raise TypeError(f"{config_class.__qualname__} is not the config of a TorchTitan Trainer (its _owner is {owner!r})")
+    if issubclass(owner, CollectiveMesh):
+        return config_class
+    if config_class is Trainer.Config:
+        return TitanTrainer.Config
+
+    class Collective(CollectiveMesh, owner):  # type: ignore[valid-type, misc]
+        @dataclass(kw_only=True, slots=True)
+        class Config(config_class):  # type: ignore[valid-type, misc]
+            pass
+
+    Collective.__name__ = Collective.__qualname__ = f"Collective[{owner.__qualname__}]"
+    Collective.Config.__qualname__ = f"{Collective.__qualname__}.Config"
+    return Collective.Config
 
 
-def with_collective_loader(config: Trainer.Config, **dataloader: Any) -> TitanTrainer.Config:
-    """``config`` with ``TitanTrainer`` as its trainer and a ``TitanStreamingDataLoader.Config(**dataloader)``.
+def collective_trainer_config(config: Trainer.Config) -> Trainer.Config:
+    """``config`` (fields shared, not copied) as a config of its trainer class extended by
+    :class:`CollectiveMesh`: ``TitanTrainer.Config`` for a ``Trainer.Config``.
+
+    >>> from torchtitan.models.flux.config_registry import flux_debugmodel
+    >>> type(collective_trainer_config(flux_debugmodel())).__qualname__
+    'Collective[FluxTrainer].Config'
+    """
+    config_class = _collective_trainer_class(type(config))
+    if type(config) is config_class:
+        return config
+    return config_class(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init})
+
+
+def load_once_per_replica(config: Trainer.Config) -> Trainer.Config:
+    """``config`` with its dataloaders (``dataloader`` and ``validator.dataloader``) built on one
+    leader per data-parallel replica and delivered to every rank of it (:func:`wrap_dataloader`),
+    and its trainer extended to hand them the mesh (:func:`collective_trainer_config`). Their
+    classes and fields are kept, so ``--dataloader.<field>`` works as before.
+
+    >>> from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    >>> c = load_once_per_replica(llama3_debugmodel())
+    >>> type(c).__qualname__, type(c.dataloader).__qualname__, c.dataloader.dataset
+    ('TitanTrainer.Config', 'ReplicaDataLoader[HuggingFaceTextDataLoader.Config]', 'c4_test')
+    """
+    config = collective_trainer_config(config)
+    config.dataloader = wrap_dataloader(config.dataloader)
+    if hasattr(config.validator, "dataloader"):
+        config.validator.dataloader = wrap_dataloader(config.validator.dataloader)
+    return config
+
+
+def with_collective_loader(config: Trainer.Config, **dataloader: Any) -> Trainer.Config:
+    """``config`` with its trainer extended (:func:`collective_trainer_config`) and a
+    ``TitanStreamingDataLoader.Config(**dataloader)``: an MDS dataset of token ids.
 
     >>> from torchtitan.models.llama3.config_registry import llama3_debugmodel
     >>> c = with_collective_loader(llama3_debugmodel(), dataset_path="/data/mds")
     >>> type(c).__qualname__, c.dataloader.dataset_path, c.training.seq_len
     ('TitanTrainer.Config', '/data/mds', 2048)
     """
-    if type(config) not in (Trainer.Config, TitanTrainer.Config):
-        raise TypeError(
-            f"{type(config).__qualname__} is not Trainer.Config: for a Trainer subclass of your own, subclass "
-            "collective_loader.integrations.titan_configs.TitanTrainer instead and set config.dataloader yourself"
-        )
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    fields["dataloader"] = TitanStreamingDataLoader.Config(**dataloader)
-    return TitanTrainer.Config(**fields)
+    config = collective_trainer_config(config)
+    config.dataloader = TitanStreamingDataLoader.Config(**dataloader)
+    return config
 
 
-def __getattr__(name: str) -> Callable[[], TitanTrainer.Config]:
-    """``--config <name>``: TorchTitan's llama3 config function ``name``, with our dataloader."""
-    from torchtitan.models.llama3 import config_registry
+@functools.cache
+def _registry_configs() -> dict[str, str]:
+    """Config function name -> its registry module, for every TorchTitan model family.
 
-    stock = getattr(config_registry, name, None)
-    if not name.startswith("llama3") or not callable(stock):
+    Read from the registries' source (public top-level functions whose parameters all have
+    defaults), so that ``--config NAME`` imports only NAME's family, and a family whose imports
+    fail here (qwen3_5 needs the ``fla`` package) still lists its names and fails, when chosen,
+    with TorchTitan's own error.
+    """
+    import torchtitan.models
+
+    found: dict[str, str] = {}
+    root = os.path.dirname(torchtitan.models.__file__)
+    for family in sorted(torchtitan.models._supported_models):
+        path = os.path.join(root, family, "config_registry.py")
+        for node in ast.parse(open(path).read()).body:
+            args = node.args if isinstance(node, ast.FunctionDef) else None
+            if args is None or node.name.startswith("_"):
+                continue
+            if len(args.defaults) == len(args.posonlyargs + args.args) and None not in args.kw_defaults:
+                found[node.name] = f"torchtitan.models.{family}.config_registry"
+    return found
+
+
+def __getattr__(name: str) -> Callable[[], Trainer.Config]:
+    """``--config <name>``: TorchTitan's config function ``name``, loading once per replica. Its
+    registry is imported when the function is called (TorchTitan looks up every listed name)."""
+    registry = _registry_configs().get(name)
+    if registry is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    @functools.wraps(stock)
-    def config() -> TitanTrainer.Config:
-        return with_collective_loader(stock())
+    def config() -> Trainer.Config:
+        return load_once_per_replica(getattr(importlib.import_module(registry), name)())
 
+    config.__name__ = config.__qualname__ = name
+    config.__doc__ = f"``{registry}.{name}()`` with ``load_once_per_replica``."
     return config
 
 
 def __dir__() -> list[str]:
-    # TorchTitan lists dir(module) when --config names no function here
-    from torchtitan.models.llama3 import config_registry
-
-    return sorted({*globals(), *(name for name in dir(config_registry) if name.startswith("llama3"))})
+    # TorchTitan lists the callables of dir(module) when --config names none of them
+    return sorted({*__all__, *_registry_configs()})

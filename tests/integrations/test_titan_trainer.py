@@ -14,17 +14,12 @@ TorchTitan's CPU attention has no context-parallel path (see the README).
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import re
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 
 import pytest
+import titan_run
 import torch
 
 from collective_loader.integrations import titan_configs
@@ -34,13 +29,9 @@ from collective_loader.integrations.titan_configs import (
     with_collective_loader,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SUPPORT = os.path.join(REPO, "tests", "support")
-LAUNCHER = os.path.join(SUPPORT, "titan_cpu.py")
 SEQ, BATCH, DP = 64, 4, 2   # tokens per sample, TorchTitan's local batch, data-parallel replicas
 STEPS, EPOCH_STEPS = 8, 6   # the dataset holds 6 global batches: 8 steps cross into a second epoch
 TOLERANCE = 2e-5            # the log prints 5 decimals; float32 sums in another order differ below that
-LOSS = re.compile(r"^\[default(\d+)\]:.* step:\s*(\d+)\s+loss:\s*(-?[\d.]+)", re.M)
 
 
 def test_the_dataloader_config_names_what_to_change():
@@ -51,10 +42,10 @@ def test_the_dataloader_config_names_what_to_change():
         TitanStreamingDataLoader.Config(_mesh="a mesh").build(**build)
     with pytest.raises(ValueError, match="holds 5 tokens per sample and training.seq_len is 8.*--training.seq_len 4"):
         titan_collate([{"tokens": list(range(5))}], seq_len=8)
-    with pytest.raises(TypeError, match="subclass collective_loader.integrations.titan_configs.TitanTrainer"):
+    with pytest.raises(TypeError, match="TitanStreamingDataLoader.Config is not the config of a TorchTitan Trainer"):
         with_collective_loader(TitanStreamingDataLoader.Config())
     with pytest.raises(AttributeError):
-        titan_configs.llama3_no_such_config  # noqa: B018  --config names must be llama3 config functions
+        titan_configs.llama3_no_such_config  # noqa: B018  --config names must be TorchTitan's config functions
     assert "llama3_8b" in dir(titan_configs)  # what TorchTitan lists when --config names none of them
 
 
@@ -95,42 +86,8 @@ class Data:
 
 
 def torchrun(ranks: int, config: str, flags: list[str], out: str, timeout: float) -> float:
-    """``torchrun tests/titan_cpu.py --module titan_trainer_configs --config <config> <flags>``; its log is ``<out>.log``.
-
-    Run again (twice at most) when streaming lost the race for its shared-memory prefix: each rank
-    looks for the first free one, then the local leader creates it after a barrier, so a streaming
-    job that another process (another test suite on this machine) starts meanwhile can take it or
-    make the ranks disagree.
-    """
-    seconds, code, text = _torchrun(ranks, config, flags, out, timeout)
-    for _ in range(2):
-        if code == 0 or not PREFIX_RACE.search(text):
-            break
-        seconds, code, text = _torchrun(ranks, config, flags, out, timeout)
-    assert code == 0, f"exit {code} (-9: killed after {timeout}s):\n{text[-6000:]}"
-    return seconds
-
-
-PREFIX_RACE = re.compile(r"File exists: '/\d{6}_locals'|shared memory prefix=\d+ was not registered by local leader")
-
-
-def _torchrun(ranks: int, config: str, flags: list[str], out: str, timeout: float) -> tuple[float, int, str]:
-    for stale in glob.glob(f"{glob.escape(out)}.rank*.jsonl") + glob.glob(f"{glob.escape(out)}.opens"):
-        os.remove(stale)  # what a run that lost the race recorded
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--tee=3",
-           LAUNCHER, "--module", "titan_trainer_configs", "--config", config, *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, SUPPORT])}
-    start = time.perf_counter()
-    with open(f"{out}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
-            proc.wait()
-    with open(f"{out}.log") as log:
-        text = log.read()
-    return time.perf_counter() - start, proc.returncode, f"{' '.join(cmd)}\n{text}"
+    """``torchrun tests/titan_cpu.py --module titan_trainer_configs --config <config> <flags>``; its log is ``<out>.log``."""
+    return titan_run.torchrun(ranks, "titan_trainer_configs", config, flags, out, timeout)
 
 
 def train(data: Data, name: str, *, pp: int = 1, dp: int = DP, inner: int = 1, flags: tuple[str, ...] = (),
@@ -142,9 +99,7 @@ def train(data: Data, name: str, *, pp: int = 1, dp: int = DP, inner: int = 1, f
     flags = [*data.flags, f"--training.steps={steps}", f"--parallelism.pipeline_parallel_degree={pp}",
              f"--dump_folder={dump or out}", f"--dataloader.record={out}", *flags]
     seconds = torchrun(ranks, config, flags, out, timeout)
-    with open(f"{out}.log") as log:
-        lines = LOSS.findall(log.read())
-    losses = {int(step): float(loss) for rank, step, loss in lines if int(rank) == ranks - ranks // pp}
+    losses = titan_run.losses(out, ranks - ranks // pp)
     ids = {}
     for rank in range(ranks):
         with open(f"{out}.rank{rank}.jsonl") as f:

@@ -1,0 +1,224 @@
+"""Any TorchTitan dataloader, built on each replica's leader only; every rank gets its batches.
+
+TorchTitan builds every dataloader the same way, ``config.build(dp_world_size=, dp_rank=,
+tokenizer=, seq_len=, local_batch_size=, ...)``, on every rank: every pipeline stage, tp rank and
+cp rank of a replica opens the same data and tokenizes the same documents. :func:`wrap_dataloader`
+turns such a config (``HuggingFaceTextDataLoader.Config``, ``ChatDataLoader.Config``, a
+``BaseDataLoader.Config`` of your own, ...) into one that builds a :class:`ReplicaDataLoader`:
+
+- on each replica's leader it builds the wrapped loader from the user's config, with exactly the
+  arguments TorchTitan passed (the leader's ``dp_rank`` and ``dp_world_size``), so the replica
+  trains on the batches an unwrapped run gives that ``dp_rank``; no other rank builds it, opens
+  its data or tokenizes;
+- every rank of the replica (every stage, tp and cp rank) receives each ``(input_dict, labels)``
+  whole, with the keys, dtypes and shapes the wrapped loader yielded: TorchTitan's trainer reads
+  ``input_dict`` on every stage and shards sequences over cp itself;
+- its checkpoint state is the wrapped loader's own (TorchTitan's ``{"dp_rank_<i>": ...,
+  "world_size": dp}`` for TorchTitan's loaders) as it was right after the last batch the trainer
+  consumed, produced and restored by the wrapped loader on the leader. Other ranks hold no data
+  state (``{}``), so checkpoints of wrapped and unwrapped runs load into each other.
+
+The wrapped config is a subclass of the user's config class with the same fields (so
+``--dataloader.<field>`` flags and TorchTitan's ``replace(config, infinite=...)`` keep working)
+plus two fields the command line does not see: the data-loading mesh, which the trainer hands over
+(:class:`~collective_loader.integrations.titan_configs.TitanTrainer`), and the loader it built.
+TorchTitan's validator calls ``build()`` at every validation; the wrapped config builds its
+:class:`ReplicaDataLoader` once and afterwards has it build a fresh wrapped loader at the next
+``iter()``, so each validation starts from the beginning of its data over the same process groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pickle
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+import tyro
+from torch.distributed.device_mesh import DeviceMesh
+from torchtitan.components.dataloader import BaseDataLoader
+
+from collective_loader.integrations.titan import TitanDataLoader
+from collective_loader.loader import CollectiveLoader
+from collective_loader.plan.mesh import mesh_place
+
+__all__ = ["ReplicaDataLoader", "unwrap_dataloader", "wrap_dataloader"]
+
+# what a delivered batch holds: TorchTitan's pair, as one mapping every stage receives whole
+INPUT_DICT, LABELS = "input_dict", "labels"
+
+
+class _LeaderSource:
+    """On a leader: the wrapped loader as a :class:`CollectiveLoader` source.
+
+    Yields ``{"input_dict": ..., "labels": ...}``. ``state_dict()`` is the wrapped loader's state,
+    pickled into a uint8 tensor: a snapshot (later, prefetched batches do not change it), and a
+    value the loader's state exchange carries whatever the state holds (TorchTitan's loaders keep
+    bytes). Only this leader unpickles it (:func:`_snapshot_state`). A loaded state and a renewal
+    are applied at the next ``iter()``, on the transfer thread, so that a failure there reaches
+    every rank of every replica through the delivery protocol.
+    """
+
+    def __init__(self, build: Callable[[], BaseDataLoader]) -> None:
+        self.build = build
+        self.loader = build()
+        self.pending: dict[str, Any] | None = None  # a loaded state not yet handed to the loader
+        self.renew = False  # build a fresh loader at the next iter()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.renew:
+            self.loader, self.renew = self.build(), False
+        if self.pending is not None:
+            self.loader.load_state_dict(self.pending)
+            self.pending = None
+        for input_dict, labels in self.loader:
+            yield {INPUT_DICT: input_dict, LABELS: labels}
+
+    def state_dict(self) -> torch.Tensor:
+        state = self.pending if self.pending is not None else self.loader.state_dict()
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+
+def _snapshot_state(snapshot: torch.Tensor) -> dict[str, Any]:
+    """The state a leader's :meth:`_LeaderSource.state_dict` took."""
+    return pickle.loads(snapshot.numpy().tobytes())
+
+
+class ReplicaDataLoader(BaseDataLoader):
+    """A TorchTitan dataloader config's loader, built on each replica's leader and delivered to
+    every rank of the replica. Made by the ``build()`` of a config from :func:`wrap_dataloader`,
+    with TorchTitan's usual arguments (passed on to the wrapped config's ``build()`` unchanged).
+
+    Yields ``(input_dict, labels)`` on every rank: what the wrapped loader yielded on the leader,
+    every key, dtype and shape kept (e.g. TorchTitan's text loaders: ``input`` and ``positions``
+    of shape ``[local_batch_size, seq_len]``, labels the same shape).
+
+    Example (what TorchTitan's Trainer does, with ``config.dataloader`` wrapped and its mesh set)::
+
+        dataloader = config.dataloader.build(dp_world_size=2, dp_rank=0, tokenizer=tokenizer,
+                                             seq_len=2048, local_batch_size=8)
+        for input_dict, labels in dataloader:   # every rank of the replica, every stage
+            ...
+    """
+
+    def __init__(self, config: BaseDataLoader.Config, *, dp_world_size: int, dp_rank: int, **build: Any) -> None:
+        mesh: DeviceMesh | None = config._mesh  # type: ignore[attr-defined]
+        if mesh is None:
+            raise ValueError(
+                f"{type(config).__qualname__} needs TorchTitan's data-loading mesh, which the Trainer does not pass "
+                "to dataloaders: build the trainer from collective_loader.integrations.titan_configs "
+                "(load_once_per_replica(config) does)"
+            )
+        place = mesh_place(mesh, dist.get_rank())
+        if (place.dp_rank, place.dp_size) != (dp_rank, dp_world_size):
+            raise ValueError(
+                f"the mesh puts this rank in replica {place.dp_rank} of {place.dp_size}, the Trainer in {dp_rank} of "
+                f"{dp_world_size}: give the dataloader the mesh of ParallelDims.get_optional_mesh(['pp', 'batch', "
+                "'cp', 'tp'], include_singleton_axes=True)"
+            )
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.build_args = {"dp_world_size": dp_world_size, "dp_rank": dp_rank, **build}
+        inner = unwrap_dataloader(config)
+        self._leader: _LeaderSource | None = None
+
+        def leader_source() -> _LeaderSource:  # called on leaders only
+            self._leader = _LeaderSource(functools.partial(inner.build, **self.build_args))
+            return self._leader
+
+        self.loader = CollectiveLoader(leader_source, mesh, inputs=(), labels=(), every_stage=(INPUT_DICT, LABELS))
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        for batch in self.loader:
+            yield batch[INPUT_DICT], batch[LABELS]
+
+    def renew(self) -> None:
+        """Start the next ``iter()`` on a freshly built wrapped loader (what TorchTitan's validator
+        expects of each ``build()``); call on every rank."""
+        if self._leader is not None:
+            self._leader.renew, self._leader.pending = True, None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The leader: the wrapped loader's state right after the last consumed batch. Other
+        ranks: ``{}``. Collective over the replica: call on every rank after the same step."""
+        snapshot = self.loader.state_dict()["source"]
+        if self._leader is None:
+            return {}
+        if snapshot is None:  # no batch consumed yet (or an epoch that ended empty): no thread is in the source
+            snapshot = self._leader.state_dict()
+        return _snapshot_state(snapshot)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The leader hands ``state_dict`` to the wrapped loader at the next ``iter()``; other
+        ranks have nothing to restore."""
+        if self._leader is not None:
+            self._leader.pending = dict(state_dict)
+
+    def close(self) -> None:
+        """Stop the transfers; call on every rank before ``destroy_process_group()``."""
+        self.loader.close()
+
+
+def _build_once(config: Any, **build: Any) -> ReplicaDataLoader:
+    """``build()`` of a wrapped config: one :class:`ReplicaDataLoader` per config object, renewed
+    by each later ``build()`` with the same arguments (TorchTitan's validator builds at every
+    validation)."""
+    built = config._built
+    if built is not None and built.build_args == build:
+        built.renew()
+        return built
+    config._built = ReplicaDataLoader(config, **build)
+    return config._built
+
+
+@functools.cache
+def _wrapped_class(config_class: type) -> type:
+    """The subclass of ``config_class`` that :func:`wrap_dataloader` returns instances of."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(config_class):  # type: ignore[valid-type, misc]
+        _wrapped: ClassVar[type] = config_class
+
+        _mesh: Annotated[DeviceMesh | None, tyro.conf.Suppress] = None
+        """TorchTitan's data-loading mesh, set by the trainer (``TitanTrainer.init_distributed()``)."""
+
+        _built: Annotated[Any, tyro.conf.Suppress] = None
+        """The :class:`ReplicaDataLoader` this config built."""
+
+        build = _build_once
+
+    Config.__qualname__ = f"ReplicaDataLoader[{config_class.__qualname__}]"
+    Config.__name__ = Config.__qualname__
+    return Config
+
+
+def wrap_dataloader(config: BaseDataLoader.Config) -> BaseDataLoader.Config:
+    """``config`` as a config whose ``build()`` makes a :class:`ReplicaDataLoader`: the same
+    class (a subclass of it) and field values. A config already wrapped, or one of a loader that
+    delivers collectively itself, is returned as it is.
+
+    >>> from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+    >>> wrapped = wrap_dataloader(HuggingFaceTextDataLoader.Config(dataset="c4_test"))
+    >>> type(wrapped).__qualname__, wrapped.dataset, isinstance(wrapped, HuggingFaceTextDataLoader.Config)
+    ('ReplicaDataLoader[HuggingFaceTextDataLoader.Config]', 'c4_test', True)
+    >>> unwrap_dataloader(wrapped) == HuggingFaceTextDataLoader.Config(dataset="c4_test")
+    True
+    """
+    owner = type(config)._owner
+    if hasattr(type(config), "_wrapped") or (owner is not None and issubclass(owner, TitanDataLoader)):
+        return config
+    return _wrapped_class(type(config))(**_init_fields(config))
+
+
+def unwrap_dataloader(config: BaseDataLoader.Config) -> BaseDataLoader.Config:
+    """The user's config that ``config`` wraps (``config`` itself when it is not wrapped)."""
+    wrapped = getattr(type(config), "_wrapped", None)
+    return config if wrapped is None else wrapped(**_init_fields(config, wrapped))
+
+
+def _init_fields(config: Any, config_class: type | None = None) -> dict[str, Any]:
+    """The constructor arguments that rebuild ``config`` (as ``config_class``)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config_class or config) if f.init}

@@ -1,0 +1,66 @@
+"""Test-only: one run of TorchTitan's own ``torchtitan.train`` under torchrun on this CPU machine
+(through ``titan_cpu.py``), killed with every rank it started when it runs past its time."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+SUPPORT = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(SUPPORT))
+LAUNCHER = os.path.join(SUPPORT, "titan_cpu.py")
+# training lines only: TorchTitan logs validation as "validate step: N  loss: X"
+LOSS = re.compile(r"^\[default(\d+)\]:.*(?<!validate) step:\s*(\d+)\s+loss:\s*(-?[\d.]+)", re.M)
+VALIDATION_LOSS = re.compile(r"^\[default(\d+)\]:.*validate step:\s*(\d+)\s+loss:\s*(-?[\d.]+)", re.M)
+PREFIX_RACE = re.compile(r"File exists: '/\d{6}_locals'|shared memory prefix=\d+ was not registered by local leader")
+
+
+def torchrun(ranks: int, module: str, config: str, flags: list[str], out: str, timeout: float,
+             env: dict[str, str] | None = None) -> float:
+    """``torchrun titan_cpu.py --module <module> --config <config> <flags>``; its log is ``<out>.log``.
+
+    Run again (twice at most) when streaming lost the race for its shared-memory prefix: each rank
+    looks for the first free one, then the local leader creates it after a barrier, so a streaming
+    job that another process (another test suite on this machine) starts meanwhile can take it or
+    make the ranks disagree.
+    """
+    seconds, code, text = _torchrun(ranks, module, config, flags, out, timeout, env)
+    for _ in range(2):
+        if code == 0 or not PREFIX_RACE.search(text):
+            break
+        seconds, code, text = _torchrun(ranks, module, config, flags, out, timeout, env)
+    assert code == 0, f"exit {code} (-9: killed after {timeout}s):\n{text[-6000:]}"
+    return seconds
+
+
+def _torchrun(ranks: int, module: str, config: str, flags: list[str], out: str, timeout: float,
+              env: dict[str, str] | None) -> tuple[float, int, str]:
+    for stale in glob.glob(f"{glob.escape(out)}.*"):
+        if not stale.endswith(".log"):
+            os.remove(stale)  # what a run that lost the race recorded
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--tee=3",
+           LAUNCHER, "--module", module, "--config", config, *flags]
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, SUPPORT]), **(env or {})}
+    start = time.perf_counter()
+    with open(f"{out}.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
+            proc.wait()
+    with open(f"{out}.log") as log:
+        text = log.read()
+    return time.perf_counter() - start, proc.returncode, f"{' '.join(cmd)}\n{text}"
+
+
+def losses(out: str, rank: int, pattern: re.Pattern = LOSS) -> dict[int, float]:
+    """Step -> loss that ``rank`` logged in ``<out>.log`` (TorchTitan's metrics rank: the first
+    rank of the last stage)."""
+    with open(f"{out}.log") as log:
+        return {int(step): float(loss) for r, step, loss in pattern.findall(log.read()) if int(r) == rank}
