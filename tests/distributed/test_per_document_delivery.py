@@ -1,7 +1,8 @@
 """The per-document split end to end over a real gloo world: a plain ``DataLoader`` of packed rows
 shaped as the text packer's (``position_ids`` restarting at 0, per-row ``cu_seqlens``,
 ``sequence_id``) through ``CollectiveLoader``, with broadcast and scatter, over cp, dp x cp, cp x sp
-and pp x cp, the documents read from ``cu_seqlens`` or from ``position_ids``.
+and pp x cp, the documents read from ``cu_seqlens`` or from ``position_ids``; and the packer's own
+rows, from an MDS dataset of documents through ``StreamingSource(packing=...)``.
 
 Every rank's batch is checked with the package's invariants (its piece, metadata included, and
 the pieces reassembling each key exactly), and the shard ranks' attention, computed from what
@@ -10,6 +11,7 @@ they received, equals per-document SDPA (:func:`packed_documents.check_attention
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import ranks
 import torch
@@ -19,7 +21,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from collective_loader import CollectiveLoader, PerDocument, mesh_place
 from collective_loader.plan.routing import Routing
+from collective_loader.streaming import StreamingSource
 from collective_loader.testing import invariants
+from collective_loader.text import Packing
 
 SAMPLES, BATCH = 16, 2
 PAD = {"labels": -100, "loss_mask": 0, "sequence_id": -1}
@@ -177,3 +181,116 @@ def run_malformed():
     finally:
         loader.close()
     return "no error"
+
+
+# --- the packer's rows through StreamingSource ------------------------------------------------
+
+DOCUMENTS, ROW = 40, 24
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """An MDS dataset of documents (``tokens`` of 1 to 40 ids each, every id unique)."""
+    from streaming import MDSWriter
+
+    out = str(tmp_path_factory.mktemp("documents") / "mds")
+    lengths = np.random.default_rng(5).integers(1, 41, size=DOCUMENTS)
+    with MDSWriter(out=out, columns={"tokens": "ndarray:int32"}, size_limit=1 << 12) as writer:
+        for i, n in enumerate(lengths):
+            writer.write({"tokens": (i * 100 + np.arange(n) + 1).astype(np.int32)})
+    return out
+
+
+class Recorded:
+    """A leader's stream, keeping a copy of every batch it hands to the loader."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.batches = stream, []
+
+    def __iter__(self):
+        for batch in self.stream:
+            self.batches.append({k: v.clone() for k, v in batch.items()})
+            yield batch
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+PACKER_SPLIT = PerDocument(cu_seqlens="cu_seqlens", positions="position_ids")
+
+
+def packer_routing() -> Routing:
+    seq_dims = {"input_ids": 1, "position_ids": 1, "labels": 1}
+    return Routing(("input_ids", "position_ids"), ("labels",), seq_dims, PACKER_SPLIT, every_stage=("cu_seqlens",))
+
+
+def run_packer_rank(path: str, dims, shape):
+    mesh = ranks.make_mesh(dims, shape)
+    source = StreamingSource(
+        mesh,
+        local=path,
+        batch_size=2,
+        shuffle=False,
+        num_canonical_nodes=1,
+        packing=Packing(ROW, boundaries=("position_ids", "cu_seqlens")),
+    )
+    recorded: list[Recorded] = []
+
+    def leader_source():
+        recorded.append(Recorded(source()))
+        return recorded[0]
+
+    routing = packer_routing()
+    loader = CollectiveLoader(
+        leader_source,
+        mesh,
+        inputs=routing.inputs,
+        labels=routing.labels,
+        every_stage=routing.every_stage,
+        seq_dims=routing.seq_dims,
+        split=routing.split,
+        delivery="scatter",
+        timeout=120,
+    )
+    place = loader.place
+    steps = [dict(batch) for batch in loader]
+    loader.close()
+    dist.barrier()
+    return {
+        "dp_rank": place.dp_rank,
+        "stage": place.stage,
+        "shard": place.shard,
+        "steps": steps,
+        "sent": recorded[0].batches if recorded else None,
+    }
+
+
+def test_the_packers_rows_through_streaming_source(world, documents):
+    records = world.run(run_packer_rank, documents, ("dp", "cp"), (2, 2), timeout=240)
+    routing = packer_routing()
+    steps = {len(r["steps"]) for r in records}
+    assert len(steps) == 1 and steps != {0}, steps  # every replica stops at the same step
+    # a leader may have loaded one batch more than the replicas agreed to train on
+    sent = {r["dp_rank"]: r["sent"][: min(steps)] for r in records if r["sent"] is not None}
+    assert sorted(sent) == [0, 1]
+    real_labels = 0
+    for dp_rank, batches in sent.items():
+        mine = [r for r in records if r["dp_rank"] == dp_rank]
+        for step, batch in enumerate(batches):
+            assert batch["cu_seqlens"].dim() == 2  # the packer's per-row offsets
+            for r in mine:  # each rank's piece of the very batch its leader loaded
+                want = routing.piece(routing.select(batch, r["stage"]), r["shard"])
+                got = r["steps"][step]
+                assert got.keys() == want.keys()
+                assert all(
+                    torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k]
+                    for k in want
+                )
+            ordered = sorted(mine, key=lambda r: r["shard"])
+            for key in routing.seq_dims:
+                pieces = [r["steps"][step][key] for r in ordered]
+                rebuilt = PACKER_SPLIT.unshard(pieces, [2], PACKER_SPLIT.documents(batch))
+                assert torch.equal(rebuilt.reshape(batch[key].shape), batch[key]), (dp_rank, step, key)
+            real_labels += sum(int((r["steps"][step]["labels"] != -100).sum()) for r in ordered)
+    # the valid tokens the leaders loaded are the valid tokens the cp ranks hold, each once
+    assert real_labels == sum(int((b["labels"] != -100).sum()) for bs in sent.values() for b in bs)
