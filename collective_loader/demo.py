@@ -9,6 +9,13 @@ StreamingDataset with ``replication = tp * cp``) and prints, side by side, the s
 whose last-stage labels do not belong to the first stage's inputs. Exit code 1 if a check fails,
 2 (one line on stderr, before any rank starts) if ``--mesh`` cannot run.
 
+``--data DIR`` may also hold LLM data as LLM Foundry writes it (a ``text`` column, given
+``--tokenizer PATH``; a ``tokens`` column of bytes, given ``--token-dtype``; or of ndarray): the
+leaders then tokenize and pack documents into rows of ``--seq-len + 1`` tokens
+(:mod:`collective_loader.text`), the checks run on the rows each leader made (numbered in a
+``sample_id`` key), and rank 0 prints the packing figures: documents, rows, tokens carried over
+into a next row, and the share of padding. The naive run is left out there.
+
 ``--remote`` starts a local S3 endpoint in this process (:mod:`collective_loader.testing.s3_endpoint`),
 writes the dataset to it, and both runs stream from it, each into a cache directory of its own;
 after the world ends, this process prints the requests and bytes each rank fetched in each run,
@@ -21,6 +28,7 @@ import argparse
 import functools
 import gc
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -62,6 +70,9 @@ from collective_loader.streaming import (
 from collective_loader.testing import invariants, launch
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, shard_bytes_for, write_dataset
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
+from collective_loader.text import Packing, TextColumn, TokenColumn
+from collective_loader.text.layouts import INTEGER_TYPES, Layout
+from collective_loader.text.packing import AtEnd
 
 SHUFFLE_SEED = 1234
 BUCKET = "collective-loader-demo"
@@ -83,6 +94,10 @@ class DemoArgs:
     placement: Placement = DEFAULT_PLACEMENT  # where the leaders sit (CollectiveLoader's placement=)
     timeout: float = 600.0  # seconds: the local world's limit, and any rank's wait for another after the epoch
     remote: str = ""  # --remote: the dataset's s3:// URL; ``data`` then holds the runs' cache dirs
+    layout: Layout | None = (
+        None  # --data with LLM data: its tokens' layout (the leaders pack); None: the demo's own data
+    )
+    at_end: AtEnd = "pad"  # --at-end: the packing's last partial row and batch
 
 
 # --- one rank ---------------------------------------------------------------------------------
@@ -90,7 +105,9 @@ class DemoArgs:
 
 def rank_main(a: DemoArgs) -> int:
     if not a.data:  # under torchrun: one copy of the dataset per node, written by local rank 0
-        out = os.path.join(tempfile.gettempdir(), f"collective_loader_demo_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+        out = os.path.join(
+            tempfile.gettempdir(), f"collective_loader_demo_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+        )
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             shutil.rmtree(out, ignore_errors=True)
             write_dataset(out, a.samples, a.seq_len)
@@ -113,11 +130,25 @@ def rank_main(a: DemoArgs) -> int:
     os.environ[APP_ID_VARIABLE] = f"{RUNS['collective_loader']}{me}"
     start = time.perf_counter()
     source = StreamingSource(
-        mesh, **stream_from(a, "collective_loader"), batch_size=a.batch_size, shuffle=True,
-        shuffle_seed=SHUFFLE_SEED, num_workers=a.num_workers, clean_stale=True, placement=a.placement,
+        mesh,
+        **stream_from(a, "collective_loader"),
+        batch_size=a.batch_size,
+        shuffle=True,
+        shuffle_seed=SHUFFLE_SEED,
+        num_workers=a.num_workers,
+        clean_stale=True,
+        placement=a.placement,
+        layout=a.layout,
+        packing=None if a.layout is None else Packing(a.seq_len, a.at_end),
     )
     loader = CollectiveLoader(
-        source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, split=a.split, delivery=a.delivery,
+        source if a.layout is None else functools.partial(NumberedRows.of, source),
+        mesh,
+        inputs=INPUTS,
+        labels=LABELS,
+        seq_dims=SEQ_DIMS,
+        split=a.split,
+        delivery=a.delivery,
         placement=a.placement,
     )
     steps = []
@@ -149,12 +180,41 @@ def failed(phase: str) -> Callable[[int, str], Exception]:
 
 
 def finish(loader: CollectiveLoader, steps: list[Any], seconds: float) -> tuple[Any, ...]:
-    """Close the loader; this rank's record of the epoch, where it sits, and what it moved."""
+    """Close the loader; this rank's record of the epoch, where it sits, and what it moved (and, on
+    a packing leader, the batches it made and its packing figures)."""
     stats = loader.stats()
+    made = loader._source if isinstance(loader._source, NumberedRows) else None
     loader.close()
     place = loader.place
     record = invariants.RankRecord(place.rank, place.dp_rank, place.stage, place.shard, steps)
-    return record, place.coords, place.is_leader, stats, seconds
+    packed = (made.made, made.stream.packing_stats()) if made is not None else None
+    return record, place.coords, place.is_leader, stats, seconds, packed
+
+
+class NumberedRows:
+    """A packing leader's stream with each row numbered in a ``sample_id`` key (``dp_rank * 10**6
+    + row``), and every batch it made kept, so the checks can rebuild what each rank must hold."""
+
+    def __init__(self, stream: Any, dp_rank: int) -> None:
+        self.stream, self.dp_rank = stream, dp_rank
+        self.made: dict[tuple[int, ...], dict[str, Any]] = {}
+
+    @classmethod
+    def of(cls, source: StreamingSource) -> NumberedRows:
+        """The leader's stream of ``source``, numbered (``CollectiveLoader`` calls it on leaders)."""
+        return cls(source(), source.place.dp_rank)
+
+    def __iter__(self) -> Any:
+        row = self.dp_rank * 10**6
+        for batch in self.stream:
+            n = len(batch["input_ids"])
+            batch["sample_id"] = torch.arange(row, row + n)
+            row += n
+            self.made[tuple(batch["sample_id"].tolist())] = batch
+            yield batch
+
+    def close(self) -> None:
+        self.stream.close()
 
 
 def after_epoch(
@@ -166,12 +226,14 @@ def after_epoch(
     on several). Returns the report's exit code on every rank."""
     me = dist.get_rank()
     os.environ[APP_ID_VARIABLE] = f"{RUNS['naive']}{me}"
-    naive = naive_ids(a, layout, group, failed("the naive run"))
+    naive = naive_ids(a, layout, group, failed("the naive run")) if a.layout is None else []
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (ours, naive), group=group)  # the demo's bookkeeping, not the data path
     code = run_phase(
         group,
-        lambda: report(a, layout, routing, dp_size, [g[0] for g in gathered], [g[1] for g in gathered]) if me == 0 else 0,
+        lambda: (
+            report(a, layout, routing, dp_size, [g[0] for g in gathered], [g[1] for g in gathered]) if me == 0 else 0
+        ),
         failed("the report"),
     )
     verdict = torch.tensor([code])
@@ -182,7 +244,9 @@ def after_epoch(
 def show_library_log() -> None:
     """Print the library's INFO lines (what each loader decided) on this rank's stdout."""
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("  [rank %(rank)s] %(message)s", defaults={"rank": os.environ.get("RANK", "?")}))
+    handler.setFormatter(
+        logging.Formatter("  [rank %(rank)s] %(message)s", defaults={"rank": os.environ.get("RANK", "?")})
+    )
     library = logging.getLogger("collective_loader")
     library.addHandler(handler)
     library.setLevel(logging.INFO)
@@ -208,7 +272,10 @@ def naive_ids(
     replication = math.prod(s for s, r in zip(layout.shape, layout.roles) if r in ("replicate", "shard"))
     with leaders_world({}, group, failed):
         dataset = StreamingDataset(
-            **stream_from(a, "naive"), batch_size=a.batch_size, shuffle=True, shuffle_seed=SHUFFLE_SEED,
+            **stream_from(a, "naive"),
+            batch_size=a.batch_size,
+            shuffle=True,
+            shuffle_seed=SHUFFLE_SEED,
             replication=replication,
         )
         ids = [b["sample_id"].tolist() for b in DataLoader(dataset, batch_size=a.batch_size, collate_fn=lm_collate)]
@@ -273,13 +340,28 @@ def verdicts(
 def report(
     a: DemoArgs, layout: MeshLayout, routing: Routing, dp_size: int, ours: list[Any], naive: list[list[list[int]]]
 ) -> int:
-    # --remote: the ids this demo wrote (sample i has id i); reading the leaders' cache back would
-    # hold the epoch to what they downloaded
-    dataset = list(range(a.samples)) if a.remote else dataset_ids(a.data)
+    records = [o[0] for o in ours]
+    steps = len(records[0].steps)
+    made = {ids: batch for o in ours if o[5] is not None for ids, batch in o[5][0].items()}
+    if a.layout is None:
+        # --remote: the ids this demo wrote (sample i has id i); reading the leaders' cache back would
+        # hold the epoch to what they downloaded
+        dataset = list(range(a.samples)) if a.remote else dataset_ids(a.data)
+        what = f"{len(dataset)} samples"
+    else:  # the rows of the delivered steps, as their leaders made them
+        dataset = [i for o in ours if o[5] is not None for ids in list(o[5][0])[:steps] for i in ids]
+        read = (
+            f"text tokenized by {a.layout.tokenizer}"
+            if isinstance(a.layout, TextColumn)
+            else f"tokens as {a.layout.dtype or 'stored'}"
+        )
+        what = f"documents ({read}) packed into rows of {a.seq_len} + 1 tokens"
     where = f"{a.remote} (cached in {a.data})" if a.remote else a.data
-    print(f"\ncollective_loader demo: mesh [{layout.describe()}], {len(dataset)} samples in {where}, "
-          f"per-replica batch {a.batch_size} x seq {a.seq_len}, split={a.split}, delivery={a.delivery}, "
-          f"num_workers={a.num_workers}")
+    print(
+        f"\ncollective_loader demo: mesh [{layout.describe()}], {what} in {where}, "
+        f"per-replica batch {a.batch_size} x seq {a.seq_len}, split={a.split}, delivery={a.delivery}, "
+        f"num_workers={a.num_workers}"
+    )
     print(f"{dp_size} replicas, {group_count(dp_size, layout.pp_size)} process groups per loader\n")
     width = 4 * len(a.dims) + 8
     print(f"{'rank':>4}  {'coords':<{width}} {'role':<32} first batch received")
@@ -288,15 +370,20 @@ def report(
         role = ("leader, " if is_leader else "") + {"both": "all stages"}.get(record.stage, f"{record.stage} stage")
         role += f", dp_rank {record.dp_rank}"
         print(f"{record.rank:>4}  {where:<{width}} {role:<32} {_describe(record.steps[0] if record.steps else {})}")
-    records = [o[0] for o in ours]
     per_replica = samples_per_replica(records)
     sent = sum(o[3]["bytes_sent"] for o in ours)
     collectives = sum(o[3]["collectives"] for o in ours if layout.place(o[0].rank).is_leader)
-    steps = len(records[0].steps)
-    print(f"\n{steps} steps; samples per replica: {per_replica}; leaders sent {sent / 2**20:.2f} MiB in "
-          f"{collectives} collectives ({collectives / max(steps, 1) / dp_size:.1f} per leader per step); "
-          f"slowest rank {max(o[4] for o in ours):.2f}s")
-    checks = verdicts(records, routing, a.seq_len, dataset)
+    unit = "samples" if a.layout is None else "rows"
+    print(
+        f"\n{steps} steps; {unit} per replica: {per_replica}; leaders sent {sent / 2**20:.2f} MiB in "
+        f"{collectives} collectives ({collectives / max(steps, 1) / dp_size:.1f} per leader per step); "
+        f"slowest rank {max(o[4] for o in ours):.2f}s"
+    )
+    if a.layout is None:
+        checks = verdicts(records, routing, a.seq_len, dataset)
+    else:
+        print_packing(a, ours, steps)
+        checks = invariants.check(records, routing, lambda ids: made[tuple(ids)], dataset)
     print("\nverdict:")
     for v in checks:
         print(f"  [{'ok' if v.ok else 'FAIL'}] {v.name}" + (f": {v.detail}" if v.detail else ""))
@@ -305,21 +392,88 @@ def report(
     our_ids = {rec.rank: [b["sample_id"].tolist() if b else None for b in rec.steps] for rec in records}
     naive_by_rank = dict(enumerate(naive))
     ours_bad, ours_total = label_mismatch(stage_of, dp_of, our_ids)
+    if a.layout is not None:  # no naive run on LLM data: every rank tokenizing for itself is bench/packing.py
+        ok = all(v.ok for v in checks) and ours_bad == 0
+        print(f"\nsteps whose last-stage labels do not belong to the first stage's inputs: {ours_bad} of {ours_total}")
+        print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
+        return 0 if ok else 1
     naive_bad, naive_total = label_mismatch(stage_of, dp_of, naive_by_rank)
     replication = math.prod(s for s, r in zip(layout.shape, layout.roles) if r in ("replicate", "shard"))
     print("\nsteps whose last-stage labels do not belong to the first stage's inputs:")
     if layout.pp_size == 1:
         print("  (one pipeline stage: every rank holds inputs and labels; use a mesh with pp > 1)")
     naive_steps = len(naive[0])
-    print(f"  naive, every rank builds StreamingDataset(replication={replication}): "
-          f"{100 * naive_bad / max(naive_total, 1):5.1f}% ({naive_bad} of {naive_total} last-stage rank-steps; "
-          f"{naive_steps} steps per epoch)")
-    print(f"  collective_loader:                                  "
-          f"{100 * ours_bad / max(ours_total, 1):5.1f}% ({ours_bad} of {ours_total} last-stage rank-steps; "
-          f"{steps} steps per epoch)")
+    print(
+        f"  naive, every rank builds StreamingDataset(replication={replication}): "
+        f"{100 * naive_bad / max(naive_total, 1):5.1f}% ({naive_bad} of {naive_total} last-stage rank-steps; "
+        f"{naive_steps} steps per epoch)"
+    )
+    print(
+        f"  collective_loader:                                  "
+        f"{100 * ours_bad / max(ours_total, 1):5.1f}% ({ours_bad} of {ours_total} last-stage rank-steps; "
+        f"{steps} steps per epoch)"
+    )
     ok = all(v.ok for v in checks) and ours_bad == 0
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
+
+
+def print_packing(a: DemoArgs, ours: list[Any], steps: int) -> None:
+    """Each leader's packing figures (over the rows it made, the last of which, on all but the
+    leader that ran out first, are not delivered: every replica stops at the same step)."""
+    print(f"\npacking (each leader, rows of {a.seq_len} + 1 tokens, at_end={a.at_end}):")
+    total: dict[str, int] = {}
+    for o in sorted((o for o in ours if o[5] is not None), key=lambda o: o[0].dp_rank):
+        made, stats = o[5]
+        for k, v in stats.items():
+            total[k] = total.get(k, 0) + v
+        print(f"  replica {o[0].dp_rank}: {_figures(stats)}; {len(made)} batches made, {steps} delivered")
+    print(f"  all: {_figures(total)}")
+
+
+def _figures(s: dict[str, int]) -> str:
+    slots = s["tokens"] + s["padding"]
+    return (
+        f"{s['documents']} documents, {s['rows']} rows, {s['tokens']} tokens, {s['carried']} carried over into a "
+        f"next row, padding {100 * s['padding'] / max(slots, 1):.1f}% of the token slots"
+        + (f", {s['dropped']} tokens dropped at the end" if s["dropped"] else "")
+    )
+
+
+def dataset_columns(path: str) -> dict[str, str]:
+    """Column name -> MDS encoding of the dataset at ``path`` (its index.json's first shard)."""
+    with open(os.path.join(path, "index.json")) as f:
+        shards = json.load(f)["shards"]
+    if not shards:
+        raise ValueError(f"--data {path}: the dataset has no shards")
+    return dict(zip(shards[0]["column_names"], shards[0]["column_encodings"]))
+
+
+def data_layout(path: str, tokenizer: str | None, token_dtype: str | None) -> Layout | None:
+    """How the demo reads ``--data``: ``None`` for its own data (``tokens`` ndarray rows with an
+    ``id``), else the layout of LLM data, or a ValueError saying what to pass."""
+    columns = dataset_columns(path)
+    if tokenizer and token_dtype:
+        raise ValueError("give --tokenizer for a text column or --token-dtype for token bytes, not both")
+    if columns.get("text") == "str":
+        if not tokenizer:
+            raise ValueError(
+                f"--data {path} holds a text column: give --tokenizer PATH (a tokenizer.json or its directory)"
+            )
+        return TextColumn(tokenizer)
+    encoding = columns.get("tokens", "")
+    if tokenizer:
+        raise ValueError(f"--tokenizer is for a text column; --data {path} has columns {columns}")
+    if encoding == "bytes":
+        return TokenColumn(dtype=token_dtype)  # int64 when none is given, as LLM Foundry reads them
+    if encoding.startswith("ndarray"):
+        if token_dtype:
+            raise ValueError(f"--token-dtype is for token bytes; the tokens of --data {path} are {encoding}")
+        return None if "id" in columns else TokenColumn()
+    raise ValueError(
+        f"--data {path} has columns {columns}: the demo reads a text column (str), a tokens column (bytes or ndarray), "
+        "or its own data (tokens ndarray and id)"
+    )
 
 
 # --- --remote: the endpoint, in this process -----------------------------------------------------
@@ -362,12 +516,16 @@ def fetch_report(s3: S3Endpoint, a: DemoArgs, remote: str) -> int:
         print(f"{rank:>4}  {'leader' if rank in leaders else '':<7}{cells}")
     for run, counts in runs.items():
         ranks = [r for r, (k, _) in enumerate(counts) if k]
-        print(f"  {run}: {len(ranks)} of {n} ranks fetched {ranks}: {sum(k for k, _ in counts)} requests, "
-              f"{sum(b for _, b in counts) / 1024:.1f} KiB")
+        print(
+            f"  {run}: {len(ranks)} of {n} ranks fetched {ranks}: {sum(k for k, _ in counts)} requests, "
+            f"{sum(b for _, b in counts) / 1024:.1f} KiB"
+        )
     ours = {r for r, (k, _) in enumerate(runs["collective_loader"]) if k}
     ok = bool(ours) and ours <= set(leaders) and not strangers
-    print(f"  [{'ok' if ok else 'FAIL'}] in collective_loader's run only leaders {list(leaders)} fetched"
-          + (f"; requests from clients no rank named: {strangers}" if strangers else ""))
+    print(
+        f"  [{'ok' if ok else 'FAIL'}] in collective_loader's run only leaders {list(leaders)} fetched"
+        + (f"; requests from clients no rank named: {strangers}" if strangers else "")
+    )
     return 0 if ok else 1
 
 
@@ -380,7 +538,9 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
         raise ValueError(f"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got {text!r}") from None
 
 
-def check_mesh(text: str, seq_len: int, split: Split, world_size: int | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def check_mesh(
+    text: str, seq_len: int, split: Split, world_size: int | None
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The dims and sizes of ``--mesh text``, or a ValueError saying what to change.
 
     Checked here, before any rank starts, so a bad flag is one message rather than the same
@@ -426,33 +586,80 @@ def check_remote(data: str | None, torchrun: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m collective_loader demo", description=__doc__.split("\n")[0])
-    p.add_argument("--mesh", default="pp=2,dp=2,tp=2", help="dims in mesh order, outermost first (default pp=2,dp=2,tp=2)")
+    p.add_argument(
+        "--mesh", default="pp=2,dp=2,tp=2", help="dims in mesh order, outermost first (default pp=2,dp=2,tp=2)"
+    )
     p.add_argument("--data", help="an MDS dataset with columns tokens and id (default: write one to a temp dir)")
     p.add_argument("--samples", type=int, default=256, help="samples to write when --data is not given")
+    p.add_argument(
+        "--tokenizer", help="--data with a text column: the tokenizer.json (or its directory) the leaders use"
+    )
+    p.add_argument(
+        "--token-dtype",
+        choices=INTEGER_TYPES,
+        help="--data with a tokens column of bytes: the type they were written as (LLM Foundry's "
+        "token_encoding_type; int64 when not given)",
+    )
+    p.add_argument(
+        "--at-end",
+        choices=("pad", "drop"),
+        default="pad",
+        help="LLM data: pad or drop the last partial row and batch of the epoch",
+    )
     p.add_argument("--batch-size", type=int, default=4, help="per-replica batch size")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--split", choices=sharding.SPLITS, default="zigzag", help="how a sequence is cut over the shard dims")
+    p.add_argument(
+        "--split", choices=sharding.SPLITS, default="zigzag", help="how a sequence is cut over the shard dims"
+    )
     p.add_argument("--delivery", choices=("broadcast", "scatter"), default="broadcast")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per leader")
-    p.add_argument("--placement", choices=PLACEMENTS, default="spread",
-                   help="where each replica's leader sits: spread over the pipeline stages (default) or all on the first")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the local world is stopped; also the longest any rank waits for another "
-                        "in the demo's own exchanges after the epoch")
-    p.add_argument("--remote", action="store_true",
-                   help="serve the dataset from a local S3 endpoint (moto) and stream it from there; prints what each "
-                        "rank fetched")
+    p.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="spread",
+        help="where each replica's leader sits: spread over the pipeline stages (default) or all on the first",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds before the local world is stopped; also the longest any rank waits for another "
+        "in the demo's own exchanges after the epoch",
+    )
+    p.add_argument(
+        "--remote",
+        action="store_true",
+        help="serve the dataset from a local S3 endpoint (moto) and stream it from there; prints what each "
+        "rank fetched",
+    )
     ns = p.parse_args(argv)
     torchrun = launch.under_torchrun()
     try:
         dims, shape = check_mesh(ns.mesh, ns.seq_len, ns.split, int(os.environ["WORLD_SIZE"]) if torchrun else None)
         if ns.remote:
             check_remote(ns.data, torchrun)
+        layout = data_layout(ns.data, ns.tokenizer, ns.token_dtype) if ns.data else None
+        if not ns.data and (ns.tokenizer or ns.token_dtype):
+            raise ValueError("--tokenizer and --token-dtype read LLM data given with --data DIR")
     except ValueError as e:
         if not torchrun or os.environ["RANK"] == "0":  # one line, not one per rank
             print(f"{p.prog}: {e}", file=sys.stderr)
         return 2
-    a = DemoArgs(dims, shape, ns.data or "", ns.samples, ns.batch_size, ns.seq_len, ns.split, ns.delivery, ns.num_workers,
-                 ns.placement, timeout=ns.timeout)
+    a = DemoArgs(
+        dims,
+        shape,
+        ns.data or "",
+        ns.samples,
+        ns.batch_size,
+        ns.seq_len,
+        ns.split,
+        ns.delivery,
+        ns.num_workers,
+        ns.placement,
+        timeout=ns.timeout,
+        layout=layout,
+        at_end=ns.at_end,
+    )
     if ns.remote:
         return run_remote(a, ns.timeout)
     if ns.data or torchrun:  # under torchrun the ranks write the dataset themselves
