@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 
 import pytest
+from packed_documents import packed_batch
 from ranks import KEYS, id_batches, sample_batch
 
+from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
 from collective_loader.testing.invariants import RankRecord, check
@@ -106,3 +108,49 @@ def test_every_stage_keys_checked_on_middle_stages():
     assert _failed(records, routing) == {"(a)"}
     del middle.steps[1]["cu_seqlens"]
     assert _failed(records, routing) == {"(e)"}
+
+
+# --- the per-document split -------------------------------------------------------------------
+
+
+def _per_document_records() -> tuple[list[RankRecord], Routing]:
+    """A correct per-document delivery on pp=3 x dp=2 x cp=2 x tp=2 (every rank reshaped, metadata added)."""
+    split = PerDocument(cu_seqlens="cu_seqlens", positions="position_ids")
+    seq_dims = {"input_ids": 1, "position_ids": 1, "labels": 1}
+    routing = Routing(KEYS["inputs"], KEYS["labels"], seq_dims, split, (("cp", 2),), ("cu_seqlens",))
+    mesh = MeshLayout.build(DIMS, SHAPE, range(24))
+    records = []
+    for rank in range(24):
+        place = mesh.place(rank)
+        mine = list(range(place.dp_rank, N, 2))
+        batches = [packed_batch(mine[i : i + B], routing.keys) for i in range(0, len(mine), B)]
+        steps = [routing.piece(routing.select(b, place.stage), place.shard) for b in batches]
+        records.append(RankRecord(rank, place.dp_rank, place.stage, place.shard, steps))
+    return records, routing
+
+
+def _failed_per_document(records, routing) -> set[str]:
+    verdicts = check(records, routing, lambda ids: packed_batch(ids, routing.keys), range(N))
+    return {v.name[:3] for v in verdicts if not v.ok}
+
+
+def test_per_document_delivery_passes_and_wrong_pieces_fail():
+    records, routing = _per_document_records()
+    assert _failed_per_document(records, routing) == set()
+    a = _first(records, "first", dp_rank=0, shard=((2, 0),))
+    b = _first(records, "first", dp_rank=0, shard=((2, 1),))
+    a.steps[0]["input_ids"], b.steps[0]["input_ids"] = b.steps[0]["input_ids"], a.steps[0]["input_ids"]
+    assert "(b)" in _failed_per_document(records, routing)
+
+
+def test_per_document_metadata_is_checked_on_every_stage():
+    records, routing = _per_document_records()
+    middle = _first(records, "middle", dp_rank=1)
+    middle.steps[1]["cu_seqlens_padded"] = middle.steps[0]["cu_seqlens_padded"]  # another step's
+    assert _failed_per_document(records, routing) == {"(a)"}
+    records, routing = _per_document_records()
+    last = _first(records, "last", dp_rank=0, shard=((2, 1),))
+    labels = last.steps[0]["labels"].clone()
+    labels[0, int((labels[0] != -100).nonzero()[0])] = -100  # a valid label lost
+    last.steps[0]["labels"] = labels
+    assert "(c)" in _failed_per_document(records, routing)
