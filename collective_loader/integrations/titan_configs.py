@@ -59,7 +59,9 @@ __all__ = [
 DATA_MESH = ["pp", "batch", "cp", "tp"]  # TorchTitan's data-loading mesh (ParallelDims.build_mesh)
 
 
-def titan_collate(samples: Sequence[Mapping[str, Any]], *, seq_len: int, column: str = "tokens") -> dict[str, torch.Tensor]:
+def titan_collate(
+    samples: Sequence[Mapping[str, Any]], *, seq_len: int, column: str = "tokens"
+) -> dict[str, torch.Tensor]:
     """MDS samples of ``seq_len + 1`` tokens -> the batch TorchTitan's text loader yields, labels included.
 
     ``positions`` restart at 0 in every sample (one document per sample), as TorchTitan's
@@ -150,10 +152,16 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
                 f"{config.column!r} of seq_len + 1 token ids per sample"
             )
         source = StreamingSource(
-            mesh, local=config.dataset_path, remote=config.remote, batch_size=local_batch_size,
+            mesh,
+            local=config.dataset_path,
+            remote=config.remote,
+            batch_size=local_batch_size,
             collate=functools.partial(titan_collate, seq_len=seq_len, column=config.column),
-            shuffle=config.shuffle, shuffle_seed=config.shuffle_seed, num_canonical_nodes=config.num_canonical_nodes,
-            num_workers=config.num_workers, timeout=config.timeout,
+            shuffle=config.shuffle,
+            shuffle_seed=config.shuffle_seed,
+            num_canonical_nodes=config.num_canonical_nodes,
+            num_workers=config.num_workers,
+            timeout=config.timeout,
         )
         super().__init__(source, mesh, inputs=("input", "positions"), timeout=config.timeout)
         if (self.dp_rank, self.dp_world_size) != (dp_rank, dp_world_size):
@@ -201,12 +209,15 @@ class TitanTrainer(CollectiveMesh, Trainer):
         pass
 
 
-@functools.cache
-def _collective_trainer_class(config_class: type) -> type:
-    """The config class of ``config_class``'s trainer extended by :class:`CollectiveMesh`."""
+def _collective_trainer_class(config_class: type[Trainer.Config]) -> type[Trainer.Config]:
+    """The config class of ``config_class``'s trainer extended by :class:`CollectiveMesh` (made once)."""
+    if config_class in _COLLECTIVE_TRAINERS:
+        return _COLLECTIVE_TRAINERS[config_class]
     owner = config_class._owner
     if not (isinstance(owner, type) and issubclass(owner, Trainer)):
-        raise TypeError(f"{config_class.__qualname__} is not the config of a TorchTitan Trainer (its _owner is {owner!r})")
+        raise TypeError(
+            f"{config_class.__qualname__} is not the config of a TorchTitan Trainer (its _owner is {owner!r})"
+        )
     if issubclass(owner, CollectiveMesh):
         return config_class
     if config_class is Trainer.Config:
@@ -219,7 +230,11 @@ def _collective_trainer_class(config_class: type) -> type:
 
     Collective.__name__ = Collective.__qualname__ = f"Collective[{owner.__qualname__}]"
     Collective.Config.__qualname__ = f"{Collective.__qualname__}.Config"
+    _COLLECTIVE_TRAINERS[config_class] = Collective.Config
     return Collective.Config
+
+
+_COLLECTIVE_TRAINERS: dict[type, type[Trainer.Config]] = {}
 
 
 def collective_trainer_config(config: Trainer.Config) -> Trainer.Config:
@@ -283,12 +298,13 @@ def _registry_configs() -> dict[str, str]:
     root = os.path.dirname(torchtitan.models.__file__)
     for family in sorted(torchtitan.models._supported_models):
         path = os.path.join(root, family, "config_registry.py")
-        for node in ast.parse(open(path).read()).body:
-            args = node.args if isinstance(node, ast.FunctionDef) else None
-            if args is None or node.name.startswith("_"):
-                continue
-            if len(args.defaults) == len(args.posonlyargs + args.args) and None not in args.kw_defaults:
-                found[node.name] = f"torchtitan.models.{family}.config_registry"
+        with open(path) as f:
+            functions = [node for node in ast.parse(f.read()).body if isinstance(node, ast.FunctionDef)]
+        for function in functions:
+            args = function.args
+            every_default = len(args.defaults) == len(args.posonlyargs + args.args) and None not in args.kw_defaults
+            if every_default and not function.name.startswith("_"):
+                found[function.name] = f"torchtitan.models.{family}.config_registry"
     return found
 
 

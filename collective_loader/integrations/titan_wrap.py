@@ -174,9 +174,10 @@ def _build_once(config: Any, **build: Any) -> ReplicaDataLoader:
     return config._built
 
 
-@functools.cache
 def _wrapped_class(config_class: type) -> type:
-    """The subclass of ``config_class`` that :func:`wrap_dataloader` returns instances of."""
+    """The subclass of ``config_class`` that :func:`wrap_dataloader` returns instances of (made once)."""
+    if config_class in _WRAPPED_CLASSES:
+        return _WRAPPED_CLASSES[config_class]
 
     @dataclass(kw_only=True, slots=True)
     class Config(config_class):  # type: ignore[valid-type, misc]
@@ -192,7 +193,11 @@ def _wrapped_class(config_class: type) -> type:
 
     Config.__qualname__ = f"ReplicaDataLoader[{config_class.__qualname__}]"
     Config.__name__ = Config.__qualname__
+    _WRAPPED_CLASSES[config_class] = Config
     return Config
+
+
+_WRAPPED_CLASSES: dict[type, type] = {}
 
 
 def wrap_dataloader(config: BaseDataLoader.Config) -> BaseDataLoader.Config:

@@ -29,9 +29,9 @@ from collective_loader.integrations.titan_configs import (
     with_collective_loader,
 )
 
-SEQ, BATCH, DP = 64, 4, 2   # tokens per sample, TorchTitan's local batch, data-parallel replicas
-STEPS, EPOCH_STEPS = 8, 6   # the dataset holds 6 global batches: 8 steps cross into a second epoch
-TOLERANCE = 2e-5            # the log prints 5 decimals; float32 sums in another order differ below that
+SEQ, BATCH, DP = 64, 4, 2  # tokens per sample, TorchTitan's local batch, data-parallel replicas
+STEPS, EPOCH_STEPS = 8, 6  # the dataset holds 6 global batches: 8 steps cross into a second epoch
+TOLERANCE = 2e-5  # the log prints 5 decimals; float32 sums in another order differ below that
 
 
 def test_the_dataloader_config_names_what_to_change():
@@ -59,11 +59,14 @@ class Epochs:
         return iter([{"input": torch.tensor([i]), "labels": torch.tensor([i])} for i in next(self.epochs)])
 
 
-@pytest.mark.parametrize("infinite, epochs, want", [
-    (False, ([1, 2], [3]), [1, 2]),                  # one pass
-    (True, ([1, 2], [3], [], [4]), [1, 2, 3]),       # epochs until a fresh one is empty
-    (True, ([], [3], []), [3]),                      # a resumed epoch may have nothing left
-])
+@pytest.mark.parametrize(
+    "infinite, epochs, want",
+    [
+        (False, ([1, 2], [3]), [1, 2]),  # one pass
+        (True, ([1, 2], [3], [], [4]), [1, 2, 3]),  # epochs until a fresh one is empty
+        (True, ([], [3], []), [3]),  # a resumed epoch may have nothing left
+    ],
+)
 def test_the_dataloader_starts_epochs_while_infinite(infinite, epochs, want):
     dataloader = TitanStreamingDataLoader.__new__(TitanStreamingDataLoader)  # no mesh: only __iter__ runs
     dataloader.loader, dataloader.labels, dataloader.infinite = Epochs(*epochs), "labels", infinite
@@ -72,10 +75,10 @@ def test_the_dataloader_starts_epochs_while_infinite(infinite, epochs, want):
 
 @dataclass
 class Run:
-    losses: dict[int, float]          # step -> TorchTitan's logged global loss
-    ids: dict[int, list[dict]]        # rank -> per micro-batch, sample ids of inputs and of labels
-    openers: list[tuple[int, int]]    # (rank, pid) of every process that opened the dataset
-    replica: dict[int, int]           # rank -> data-parallel replica
+    losses: dict[int, float]  # step -> TorchTitan's logged global loss
+    ids: dict[int, list[dict]]  # rank -> per micro-batch, sample ids of inputs and of labels
+    openers: list[tuple[int, int]]  # (rank, pid) of every process that opened the dataset
+    replica: dict[int, int]  # rank -> data-parallel replica
     seconds: float
 
 
@@ -90,14 +93,31 @@ def torchrun(ranks: int, config: str, flags: list[str], out: str, timeout: float
     return titan_run.torchrun(ranks, "titan_trainer_configs", config, flags, out, timeout)
 
 
-def train(data: Data, name: str, *, pp: int = 1, dp: int = DP, inner: int = 1, flags: tuple[str, ...] = (),
-          config: str = "ours", steps: int = STEPS, dump: str | None = None, timeout: float = 420) -> Run:
+def train(
+    data: Data,
+    name: str,
+    *,
+    pp: int = 1,
+    dp: int = DP,
+    inner: int = 1,
+    flags: tuple[str, ...] = (),
+    config: str = "ours",
+    steps: int = STEPS,
+    dump: str | None = None,
+    timeout: float = 420,
+) -> Run:
     """One run of ``pp * dp * inner`` ranks (inner: cp x tp) from the seed checkpoint. The losses are
     read from TorchTitan's metrics rank, the first rank of the last stage."""
     out = os.path.join(data.root, name)
     ranks = pp * dp * inner
-    flags = [*data.flags, f"--training.steps={steps}", f"--parallelism.pipeline_parallel_degree={pp}",
-             f"--dump_folder={dump or out}", f"--dataloader.record={out}", *flags]
+    flags = [
+        *data.flags,
+        f"--training.steps={steps}",
+        f"--parallelism.pipeline_parallel_degree={pp}",
+        f"--dump_folder={dump or out}",
+        f"--dataloader.record={out}",
+        *flags,
+    ]
     seconds = torchrun(ranks, config, flags, out, timeout)
     losses = titan_run.losses(out, ranks - ranks // pp)
     ids = {}
@@ -120,12 +140,29 @@ def data(tmp_path_factory) -> Data:
     root = str(tmp_path_factory.mktemp("titan"))
     dataset = os.path.join(root, "mds")
     write_dataset(dataset, EPOCH_STEPS * BATCH * DP, SEQ)
-    flags = [f"--dataloader.dataset_path={dataset}", f"--training.seq_len={SEQ}", f"--training.local_batch_size={BATCH}",
-             "--parallelism.pipeline_parallel_microbatch_size=1", "--training.mixed_precision_param=float32",
-             "--metrics.disable_color_printing", "--checkpoint.enable"]
+    flags = [
+        f"--dataloader.dataset_path={dataset}",
+        f"--training.seq_len={SEQ}",
+        f"--training.local_batch_size={BATCH}",
+        "--parallelism.pipeline_parallel_microbatch_size=1",
+        "--training.mixed_precision_param=float32",
+        "--metrics.disable_color_printing",
+        "--checkpoint.enable",
+    ]
     seed = os.path.join(root, "seed")
-    torchrun(1, "ours", [*flags, f"--dump_folder={seed}", f"--dataloader.record={seed}",
-                         "--checkpoint.create_seed_checkpoint", "--debug.seed=0"], seed, timeout=300)
+    torchrun(
+        1,
+        "ours",
+        [
+            *flags,
+            f"--dump_folder={seed}",
+            f"--dataloader.record={seed}",
+            "--checkpoint.create_seed_checkpoint",
+            "--debug.seed=0",
+        ],
+        seed,
+        timeout=300,
+    )
     return Data(root, [*flags, f"--checkpoint.initial_load_path={seed}/checkpoint/step-0"])
 
 
@@ -146,8 +183,10 @@ def global_batches(run: Run, per_step: int) -> list[list[int]]:
     """Per step, the sorted sample ids all replicas trained on (``per_step`` micro-batches each)."""
     firsts = [min(r for r, p in run.replica.items() if p == replica) for replica in set(run.replica.values())]
     steps = len(run.ids[0]) // per_step
-    return [sorted(i for r in firsts for mb in run.ids[r][s * per_step:(s + 1) * per_step] for i in mb["input"])
-            for s in range(steps)]
+    return [
+        sorted(i for r in firsts for mb in run.ids[r][s * per_step : (s + 1) * per_step] for i in mb["input"])
+        for s in range(steps)
+    ]
 
 
 def assert_trained_like(run: Run, reference: Run, per_step: int) -> None:
@@ -172,7 +211,7 @@ def test_pipeline_parallel_trains_with_the_losses_of_pp1(reference, pipelined):
     assert pipelined.losses[STEPS] < pipelined.losses[1] - 2  # it learns: labels belong to their inputs
     steps = global_batches(pipelined, BATCH)
     assert sorted(i for step in steps[:EPOCH_STEPS] for i in step) == list(range(EPOCH_STEPS * BATCH * DP))
-    assert steps[EPOCH_STEPS:] != steps[:STEPS - EPOCH_STEPS]  # the second epoch is another permutation
+    assert steps[EPOCH_STEPS:] != steps[: STEPS - EPOCH_STEPS]  # the second epoch is another permutation
 
 
 @pytest.mark.slow  # 45 s; the seed's set-up is reproduced in the default run by test_streaming and the demo
@@ -180,7 +219,9 @@ def test_pipeline_parallel_trains_with_the_losses_of_pp1(reference, pipelined):
 def test_the_seeds_naive_setup_trains_on_other_samples_labels(data, reference, pipelined):
     naive = train(data, "naive-pp2-dp2", pp=2, config="naive", flags=("--checkpoint.load_only",))
     assert_naive_gap(naive, reference)
-    print(loss_table({"pp=1 x dp_shard=2": reference, "pp=2 x dp_shard=2": pipelined, "naive pp=2 x dp_shard=2": naive}))
+    print(
+        loss_table({"pp=1 x dp_shard=2": reference, "pp=2 x dp_shard=2": pipelined, "naive pp=2 x dp_shard=2": naive})
+    )
 
 
 def assert_naive_gap(naive: Run, reference: Run) -> None:
@@ -193,12 +234,17 @@ def assert_naive_gap(naive: Run, reference: Run) -> None:
 
 @pytest.mark.timeout(600)
 def test_restart_from_torchtitans_checkpoint_continues_with_the_same_losses_and_samples(data, pipelined):
-    resumed = train(data, "pp2-dp2-resumed", pp=2, dump=os.path.join(data.root, "pp2-dp2"),
-                    flags=("--checkpoint.load_step=4", "--checkpoint.load_only"))
+    resumed = train(
+        data,
+        "pp2-dp2-resumed",
+        pp=2,
+        dump=os.path.join(data.root, "pp2-dp2"),
+        flags=("--checkpoint.load_step=4", "--checkpoint.load_only"),
+    )
     assert sorted(resumed.losses) == list(range(5, STEPS + 1))
     assert all(abs(resumed.losses[s] - pipelined.losses[s]) <= TOLERANCE for s in resumed.losses), resumed.losses
     for rank, ids in resumed.ids.items():
-        assert ids == pipelined.ids[rank][4 * BATCH:], rank  # 4 micro-batches per step
+        assert ids == pipelined.ids[rank][4 * BATCH :], rank  # 4 micro-batches per step
     assert len(resumed.openers) == DP
 
 
@@ -207,8 +253,10 @@ def loss_table(runs: dict[str, Run]) -> str:
     names = list(runs)
     steps = sorted(set().union(*(run.losses for run in runs.values())))
     rows = [f"| step | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
-    rows += [f"| {s} | " + " | ".join(f"{runs[n].losses[s]:.5f}" if s in runs[n].losses else "" for n in names) + " |"
-             for s in steps]
+    rows += [
+        f"| {s} | " + " | ".join(f"{runs[n].losses[s]:.5f}" if s in runs[n].losses else "" for n in names) + " |"
+        for s in steps
+    ]
     return "\n" + "\n".join(rows)
 
 
@@ -216,8 +264,12 @@ SLOW = {  # name: (pp, dp, inner, flags); all against the pp=1 x dp_shard=2 refe
     "pp2-dp2-1F1B": (2, DP, 1, ("--parallelism.pipeline_parallel_schedule=1F1B",)),
     "pp2-dp2-GPipe": (2, DP, 1, ("--parallelism.pipeline_parallel_schedule=GPipe",)),
     "tp2-dp2": (1, DP, 2, ("--parallelism.tensor_parallel_degree=2",)),
-    "pp2-dp_replicate2": (2, DP, 1, ("--parallelism.data_parallel_replicate_degree=2",
-                                     "--parallelism.data_parallel_shard_degree=1")),
+    "pp2-dp_replicate2": (
+        2,
+        DP,
+        1,
+        ("--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1"),
+    ),
     "pp2-dp2-tp2": (2, DP, 2, ("--parallelism.tensor_parallel_degree=2",)),
 }
 
@@ -236,9 +288,11 @@ def test_other_parallelisms_train_with_the_losses_of_pp1(data, reference, name):
 def test_sixteen_steps(data):
     """The README's loss table: ``python -m pytest -m slow tests/integrations/test_titan_trainer.py -k sixteen -s``."""
     flags = ("--checkpoint.load_only",)
-    runs = {"pp=1 x dp_shard=2": train(data, "16-pp1-dp2", steps=16, flags=flags),
-            "pp=2 x dp_shard=2": train(data, "16-pp2-dp2", pp=2, steps=16, flags=flags),
-            "naive pp=2 x dp_shard=2": train(data, "16-naive", pp=2, steps=16, config="naive", flags=flags)}
+    runs = {
+        "pp=1 x dp_shard=2": train(data, "16-pp1-dp2", steps=16, flags=flags),
+        "pp=2 x dp_shard=2": train(data, "16-pp2-dp2", pp=2, steps=16, flags=flags),
+        "naive pp=2 x dp_shard=2": train(data, "16-naive", pp=2, steps=16, config="naive", flags=flags),
+    }
     reference, ours, naive = runs.values()
     assert_trained_like(ours, reference, per_step=BATCH)
     assert_naive_gap(naive, reference)

@@ -55,14 +55,33 @@ def data(tmp_path_factory) -> Data:
     titan_text.write_jsonl(f"{root}/data/chat.jsonl", titan_text.qa_rows(300, seed=4))
     titan_text.write_jsonl(f"{root}/data/numbered.jsonl", [{"text": t} for t in docs])
     cache = f"{root}/data/hf_cache"  # under data/: a warm cache is what a loader opens
-    env = {"CL_DATA": f"{root}/data", "CL_WATCH_DIR": f"{root}/data", "CL_HF_CACHE": cache,
-           "HF_DATASETS_CACHE": cache, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    flags = [f"--hf_assets_path={root}/tokenizer", f"--training.seq_len={SEQ}", f"--training.local_batch_size={BATCH}",
-             "--parallelism.pipeline_parallel_microbatch_size=1", "--training.mixed_precision_param=float32",
-             "--metrics.disable_color_printing", "--checkpoint.enable"]
+    env = {
+        "CL_DATA": f"{root}/data",
+        "CL_WATCH_DIR": f"{root}/data",
+        "CL_HF_CACHE": cache,
+        "HF_DATASETS_CACHE": cache,
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    flags = [
+        f"--hf_assets_path={root}/tokenizer",
+        f"--training.seq_len={SEQ}",
+        f"--training.local_batch_size={BATCH}",
+        "--parallelism.pipeline_parallel_microbatch_size=1",
+        "--training.mixed_precision_param=float32",
+        "--metrics.disable_color_printing",
+        "--checkpoint.enable",
+    ]
     seed = f"{root}/seed"
-    titan_run.torchrun(1, "titan_text_configs", "text", [*flags, f"--dump_folder={seed}", "--checkpoint.create_seed_checkpoint",
-                       "--debug.seed=0"], seed, timeout=300, env=_env(env, seed))
+    titan_run.torchrun(
+        1,
+        "titan_text_configs",
+        "text",
+        [*flags, f"--dump_folder={seed}", "--checkpoint.create_seed_checkpoint", "--debug.seed=0"],
+        seed,
+        timeout=300,
+        env=_env(env, seed),
+    )
     return Data(root, env, [*flags, f"--checkpoint.initial_load_path={seed}/checkpoint/step-0"])
 
 
@@ -70,23 +89,43 @@ def _env(env: dict[str, str], out: str) -> dict[str, str]:
     return {**env, "CL_BATCHES": out, "CL_TOUCH_LOG": f"{out}.touches"}
 
 
-def train(data: Data, name: str, config: str, *, pp: int = 1, flags: tuple[str, ...] = (), dump: str | None = None,
-          timeout: float = 600) -> Run:
+def train(
+    data: Data,
+    name: str,
+    config: str,
+    *,
+    pp: int = 1,
+    flags: tuple[str, ...] = (),
+    dump: str | None = None,
+    timeout: float = 600,
+) -> Run:
     """One run of ``pp * DP`` ranks from the seed checkpoint."""
     out = os.path.join(data.root, name)
     ranks = pp * DP
-    flags = (*data.flags, f"--training.steps={STEPS}", f"--parallelism.pipeline_parallel_degree={pp}",
-             f"--dump_folder={dump or out}", *flags)
+    flags = (
+        *data.flags,
+        f"--training.steps={STEPS}",
+        f"--parallelism.pipeline_parallel_degree={pp}",
+        f"--dump_folder={dump or out}",
+        *flags,
+    )
     seconds = titan_run.torchrun(ranks, "titan_text_configs", config, list(flags), out, timeout, _env(data.env, out))
     metrics_rank = ranks - ranks // pp  # the first rank of the last stage
     batches = {}
     for rank in range(ranks):
         with open(f"{out}.rank{rank}.jsonl") as f:
             batches[rank] = [json.loads(line) for line in f]
-    run = Run(titan_run.losses(out, metrics_rank), titan_run.losses(out, metrics_rank, titan_run.VALIDATION_LOSS),
-              batches, titan_text.read_touches(f"{out}.touches"), {rank: rank % DP for rank in range(ranks)})
-    print(f"\n{name}: {ranks} ranks, {seconds:.0f}s, losses {[run.losses[s] for s in sorted(run.losses)]}, "
-          f"validation {run.validation}, touches {run.touches}")
+    run = Run(
+        titan_run.losses(out, metrics_rank),
+        titan_run.losses(out, metrics_rank, titan_run.VALIDATION_LOSS),
+        batches,
+        titan_text.read_touches(f"{out}.touches"),
+        {rank: rank % DP for rank in range(ranks)},
+    )
+    print(
+        f"\n{name}: {ranks} ranks, {seconds:.0f}s, losses {[run.losses[s] for s in sorted(run.losses)]}, "
+        f"validation {run.validation}, touches {run.touches}"
+    )
     return run
 
 
@@ -94,8 +133,10 @@ def steps(run: Run, replica: int, per_step: int) -> list[dict[str, list]]:
     """Per step, what replica ``replica`` trained on: its first rank's micro-batches, rows joined."""
     first = min(r for r, p in run.replica.items() if p == replica)
     records = run.batches[first]
-    return [{key: [row for mb in records[s:s + per_step] for row in mb[key]] for key in records[0]}
-            for s in range(0, len(records), per_step)]
+    return [
+        {key: [row for mb in records[s : s + per_step] for row in mb[key]] for key in records[0]}
+        for s in range(0, len(records), per_step)
+    ]
 
 
 def assert_trained_like(run: Run, reference: Run, per_step: int) -> None:
@@ -148,14 +189,19 @@ def test_the_wrapped_text_loader_trains_and_validates_with_the_losses_of_the_unw
 @pytest.mark.slow  # 4 more ranks for about 2 minutes; test_titan_wrap resumes through DCP in the default run
 @pytest.mark.timeout(1200)
 def test_restart_from_torchtitans_checkpoint_continues_with_the_same_losses_and_batches(data, wrapped):
-    resumed = train(data, "text-wrapped-pp2-dp2-resumed", "text_wrapped", pp=2,
-                    dump=os.path.join(data.root, "text-wrapped-pp2-dp2"),
-                    flags=("--checkpoint.load_step=4", "--checkpoint.load_only"))
+    resumed = train(
+        data,
+        "text-wrapped-pp2-dp2-resumed",
+        "text_wrapped",
+        pp=2,
+        dump=os.path.join(data.root, "text-wrapped-pp2-dp2"),
+        flags=("--checkpoint.load_step=4", "--checkpoint.load_only"),
+    )
     assert sorted(resumed.losses) == list(range(5, STEPS + 1))
     assert all(abs(resumed.losses[s] - wrapped.losses[s]) <= TOLERANCE for s in resumed.losses), resumed.losses
     assert resumed.validation == {s: v for s, v in wrapped.validation.items() if s > 4}
     for rank, batches in resumed.batches.items():
-        assert batches == wrapped.batches[rank][4 * BATCH:], rank  # 4 micro-batches per step
+        assert batches == wrapped.batches[rank][4 * BATCH :], rank  # 4 micro-batches per step
     assert_leaders_only(resumed)
 
 

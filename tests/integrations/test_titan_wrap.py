@@ -18,10 +18,10 @@ import re
 from dataclasses import dataclass, replace
 
 import pytest
+import titan_text
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import titan_text
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.hf_datasets.text_datasets import (
     ChatDataLoader,
@@ -53,8 +53,15 @@ class Data:
 def data(tmp_path_factory) -> Data:
     root = str(tmp_path_factory.mktemp("titan_wrap"))
     docs, docs_b = titan_text.documents(160, seed=1), titan_text.documents(120, seed=2)
-    d = Data(root, f"{root}/tokenizer", f"{root}/data/text", f"{root}/data/text_b", f"{root}/data/chat.jsonl",
-             f"{root}/data/numbered.jsonl", f"{root}/data/hf_cache")
+    d = Data(
+        root,
+        f"{root}/tokenizer",
+        f"{root}/data/text",
+        f"{root}/data/text_b",
+        f"{root}/data/chat.jsonl",
+        f"{root}/data/numbered.jsonl",
+        f"{root}/data/hf_cache",
+    )
     titan_text.write_tokenizer(d.tokenizer, docs + docs_b, vocab_size=600)
     titan_text.write_jsonl(f"{d.text}/train.jsonl", [{"text": t} for t in docs])
     titan_text.write_jsonl(f"{d.text_b}/train.jsonl", [{"text": t} for t in docs_b])
@@ -68,13 +75,18 @@ def loader_config(name: str, d: Data):
     if name == "text":
         return HuggingFaceTextDataLoader.Config(dataset="cl_text", dataset_path=d.text)
     if name == "interleaved":
-        return InterleavedHuggingFaceTextDataLoader.Config(sources=[
-            HFDataSource(dataset="cl_text", dataset_path=d.text, weight=2.0),
-            HFDataSource(dataset="cl_text_b", dataset_path=d.text_b, weight=1.0),
-        ])
+        return InterleavedHuggingFaceTextDataLoader.Config(
+            sources=[
+                HFDataSource(dataset="cl_text", dataset_path=d.text, weight=2.0),
+                HFDataSource(dataset="cl_text_b", dataset_path=d.text_b, weight=1.0),
+            ]
+        )
     if name == "chat":
-        return ChatDataLoader.Config(dataset_path="json", sample_processor=titan_text.qa_messages,
-                                     load_dataset_kwargs={"data_files": d.chat, "split": "train", "cache_dir": d.cache})
+        return ChatDataLoader.Config(
+            dataset_path="json",
+            sample_processor=titan_text.qa_messages,
+            load_dataset_kwargs={"data_files": d.chat, "split": "train", "cache_dir": d.cache},
+        )
     if name == "numbered":
         return titan_text.Numbered.Config(dataset_path=d.numbered, extra=True)
     raise ValueError(name)
@@ -169,8 +181,11 @@ def rank_batches(name: str, d: Data, log: str) -> dict:
     setup_process(d, log)
     loader = wrapped(name, d)
     try:
-        return {"dp_rank": loader.dp_rank, "leader": mesh_place(titan_mesh(), dist.get_rank()).is_leader,
-                "batches": take(loader, STEPS)}
+        return {
+            "dp_rank": loader.dp_rank,
+            "leader": mesh_place(titan_mesh(), dist.get_rank()).is_leader,
+            "batches": take(loader, STEPS),
+        }
     finally:
         loader.close()
 
@@ -236,7 +251,7 @@ def test_checkpoints_resume_exactly_and_load_into_unwrapped_loaders_and_back(dat
     # and an unwrapped run's checkpoint resumes the wrapped loaders
     fresh = {dp: loader_config(name, data).build(**build_args(data, dp)) for dp in range(DP)}
     states = {}
-    for dp, loader in fresh.items():
+    for loader in fresh.values():
         it = iter(loader)
         take(it, 2)
         states.update(loader.state_dict())
@@ -267,8 +282,31 @@ def test_each_build_starts_afresh_over_the_same_process_groups(data, worlds, tmp
     for res in results:
         want = reference("text", data, res["dp_rank"], 4)
         for got in res["passes"]:
-            assert_same(got, want[:len(got)])
+            assert_same(got, want[: len(got)])
         assert res["same"]  # one CollectiveLoader: its process groups, its transfer thread
+
+
+def rank_finite(d: Data, log: str) -> dict:
+    """A finite loader (TorchTitan's validator with ``--validator.steps -1``) iterated to its end."""
+    setup_process(d, log)
+    config = wrap_dataloader(replace(loader_config("text", d), infinite=False))
+    config._mesh = titan_mesh()
+    loader = config.build(**build_args(d, mesh_place(config._mesh, dist.get_rank()).dp_rank))
+    try:
+        return {"dp_rank": loader.dp_rank, "steps": sum(1 for _ in loader)}
+    finally:
+        loader.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_finite_loader_ends_on_every_rank_where_the_shortest_replica_ends(data, worlds, tmp_path, here):
+    results = worlds.get(RANKS).run(rank_finite, data, str(tmp_path / "touches"), timeout=300)
+    unwrapped = [
+        len(take(replace(loader_config("text", data), infinite=False).build(**build_args(data, dp)), 10**6))
+        for dp in range(DP)
+    ]
+    assert unwrapped[0] != unwrapped[1], unwrapped  # the replicas hold different amounts
+    assert {res["steps"] for res in results} == {min(unwrapped)}, (results, unwrapped)
 
 
 def rank_fails(d: Data, log: str, where: str) -> str:
@@ -293,10 +331,13 @@ def rank_fails(d: Data, log: str, where: str) -> str:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("where, message", [
-    ("build", "could not build its source: .*Dataset no_such_dataset is not supported"),
-    ("resume", "dp_degree is inconsistent before and after checkpoint"),
-])
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("build", "could not build its source: .*Dataset no_such_dataset is not supported"),
+        ("resume", "dp_degree is inconsistent before and after checkpoint"),
+    ],
+)
 def test_a_leaders_failure_reaches_every_rank(data, worlds, tmp_path, where, message):
     results = worlds.get(RANKS).run(rank_fails, data, str(tmp_path / "touches"), where, timeout=300)
     for text in results:

@@ -20,8 +20,9 @@ VALIDATION_LOSS = re.compile(r"^\[default(\d+)\]:.*validate step:\s*(\d+)\s+loss
 PREFIX_RACE = re.compile(r"File exists: '/\d{6}_locals'|shared memory prefix=\d+ was not registered by local leader")
 
 
-def torchrun(ranks: int, module: str, config: str, flags: list[str], out: str, timeout: float,
-             env: dict[str, str] | None = None) -> float:
+def torchrun(
+    ranks: int, module: str, config: str, flags: list[str], out: str, timeout: float, env: dict[str, str] | None = None
+) -> float:
     """``torchrun titan_cpu.py --module <module> --config <config> <flags>``; its log is ``<out>.log``.
 
     Run again (twice at most) when streaming lost the race for its shared-memory prefix: each rank
@@ -38,13 +39,26 @@ def torchrun(ranks: int, module: str, config: str, flags: list[str], out: str, t
     return seconds
 
 
-def _torchrun(ranks: int, module: str, config: str, flags: list[str], out: str, timeout: float,
-              env: dict[str, str] | None) -> tuple[float, int, str]:
+def _torchrun(
+    ranks: int, module: str, config: str, flags: list[str], out: str, timeout: float, env: dict[str, str] | None
+) -> tuple[float, int, str]:
     for stale in glob.glob(f"{glob.escape(out)}.*"):
         if not stale.endswith(".log"):
             os.remove(stale)  # what a run that lost the race recorded
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--tee=3",
-           LAUNCHER, "--module", module, "--config", config, *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        "--tee=3",
+        LAUNCHER,
+        "--module",
+        module,
+        "--config",
+        config,
+        *flags,
+    ]
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, SUPPORT]), **(env or {})}
     start = time.perf_counter()
     with open(f"{out}.log", "w") as log:

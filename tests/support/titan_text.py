@@ -152,7 +152,9 @@ def _text(sample: dict[str, Any]) -> str:
 def register_datasets() -> None:
     """``cl_text``, ``cl_text_b`` and ``cl_val`` in TorchTitan's ``DATASETS``, read from ``dataset_path``."""
     for name in ("cl_text", "cl_text_b", "cl_val"):
-        DATASETS[name] = DatasetConfig(path="", loader=lambda path, name=name: _load_local(name, path), sample_processor=_text)
+        DATASETS[name] = DatasetConfig(
+            path="", loader=lambda path, name=name: _load_local(name, path), sample_processor=_text
+        )
 
 
 class CountingTokenizer(HuggingFaceTokenizer):
@@ -183,7 +185,14 @@ class Numbered(BaseDataLoader):
         infinite: bool = True
 
     def __init__(
-        self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer: Any, seq_len: int, local_batch_size: int,
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer: Any,
+        seq_len: int,
+        local_batch_size: int,
         **kwargs: Any,
     ) -> None:
         assert config.dataset_path, "set --dataloader.dataset_path to a JSON-lines file of {'text': ...}"

@@ -64,7 +64,9 @@ def _config(dataloader: Any) -> Recording.Config:
     config.tokenizer = titan_text.CountingTokenizer.Config()
     config.dataloader = dataloader
     config.validator = Validator.Config(
-        enable=True, freq=VALIDATION_FREQ, steps=VALIDATION_STEPS,
+        enable=True,
+        freq=VALIDATION_FREQ,
+        steps=VALIDATION_STEPS,
         dataloader=HuggingFaceTextDataLoader.Config(dataset="cl_val", dataset_path=f"{data}/val"),
     )
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
@@ -77,17 +79,24 @@ def text() -> Recording.Config:
 
 def interleaved() -> Recording.Config:
     data = os.environ["CL_DATA"]
-    return _config(InterleavedHuggingFaceTextDataLoader.Config(sources=[
-        HFDataSource(dataset="cl_text", dataset_path=f"{data}/text", weight=2.0),
-        HFDataSource(dataset="cl_text_b", dataset_path=f"{data}/text_b", weight=1.0),
-    ]))
+    return _config(
+        InterleavedHuggingFaceTextDataLoader.Config(
+            sources=[
+                HFDataSource(dataset="cl_text", dataset_path=f"{data}/text", weight=2.0),
+                HFDataSource(dataset="cl_text_b", dataset_path=f"{data}/text_b", weight=1.0),
+            ]
+        )
+    )
 
 
 def chat() -> Recording.Config:
-    return _config(ChatDataLoader.Config(
-        dataset_path="json", sample_processor=titan_text.qa_messages,
-        load_dataset_kwargs={"data_files": f"{os.environ['CL_DATA']}/chat.jsonl", "split": "train"},
-    ))
+    return _config(
+        ChatDataLoader.Config(
+            dataset_path="json",
+            sample_processor=titan_text.qa_messages,
+            load_dataset_kwargs={"data_files": f"{os.environ['CL_DATA']}/chat.jsonl", "split": "train"},
+        )
+    )
 
 
 def numbered() -> Recording.Config:
