@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import glob
 import json
 import os
 import platform
@@ -68,9 +67,14 @@ QUICK = Settings(documents=1500, vocab=8000, seq_len=2048, micro_batches=100, ro
 
 
 def corpus(count: int) -> list[str]:
-    """``count`` documents of real text: Python's standard library sources, cut in pieces."""
+    """``count`` documents of real text: Python's standard library sources (not site-packages), cut in pieces."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    paths = []
+    for folder, subfolders, files in os.walk(stdlib):
+        subfolders[:] = [d for d in subfolders if d != "site-packages"]
+        paths += [os.path.join(folder, name) for name in files if name.endswith(".py")]
     docs: list[str] = []
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)):
+    for path in sorted(paths):
         with open(path, errors="replace") as f:
             text = f.read()
         docs += [text[i : i + DOC_CHARS] for i in range(0, len(text) - DOC_CHARS // 4, DOC_CHARS)]

@@ -18,6 +18,7 @@ import json
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import titan_run
 import torch
@@ -41,7 +42,7 @@ def test_the_dataloader_config_names_what_to_change():
     with pytest.raises(ValueError, match="--dataloader.dataset_path"):
         TitanStreamingDataLoader.Config(_mesh="a mesh").build(**build)
     with pytest.raises(ValueError, match="holds 5 tokens per sample and training.seq_len is 8.*--training.seq_len 4"):
-        titan_collate([{"tokens": list(range(5))}], seq_len=8)
+        titan_collate([{"tokens": np.arange(5)}], seq_len=8)
     with pytest.raises(TypeError, match="TitanStreamingDataLoader.Config is not the config of a TorchTitan Trainer"):
         with_collective_loader(TitanStreamingDataLoader.Config())
     with pytest.raises(AttributeError):

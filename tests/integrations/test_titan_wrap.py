@@ -31,6 +31,7 @@ from torchtitan.hf_datasets.text_datasets import (
 )
 
 from collective_loader import LeaderError, mesh_place
+from collective_loader.integrations.titan_configs import TitanStreamingDataLoader
 from collective_loader.integrations.titan_wrap import ReplicaDataLoader, unwrap_dataloader, wrap_dataloader
 
 PP, DP, CP = 2, 2, 2
@@ -354,3 +355,5 @@ def test_a_wrapped_config_keeps_the_users_class_and_fields_and_needs_the_mesh():
     assert wrapped_config.to_dict() == config.to_dict()
     with pytest.raises(ValueError, match="load_once_per_replica"):
         wrapped_config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=8, local_batch_size=1)
+    mds = TitanStreamingDataLoader.Config(dataset_path="/data/mds")  # delivers collectively itself
+    assert wrap_dataloader(mds) is mds
