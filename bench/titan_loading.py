@@ -1,7 +1,7 @@
 """TorchTitan's stock text loader, wrapped (``load_once_per_replica``) against unwrapped: CPU and memory per rank.
 
-    python bench/titan_loading.py           # about 6 minutes here: bench/results/titan_loading.{json,md}
-    python bench/titan_loading.py --quick   # about 2 minutes: bench/results/titan_loading_quick.* (git-ignored)
+    python bench/titan_loading.py           # about 2-3 minutes here: bench/results/titan_loading.{json,md}
+    python bench/titan_loading.py --quick   # about 1 minute: bench/results/titan_loading_quick.* (git-ignored)
 
 A 4-rank gloo world on TorchTitan's own data-loading mesh (``ParallelDims`` of pp=2 x dp_shard=2,
 ``get_optional_mesh(["pp", "batch", "cp", "tp"])``), the way TorchTitan's Trainer feeds a pipeline:
