@@ -27,7 +27,9 @@ def control_group(timeout: Any) -> dist.ProcessGroup:
     argument is checked, so with ``timeout`` only when it is a usable number (else torch's
     default: the arguments check then refuses it on every rank)."""
     usable = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
-    group = new_group(range(dist.get_world_size()), "gloo", float(timeout) if usable else None, "collective_loader:control")
+    group = new_group(
+        range(dist.get_world_size()), "gloo", float(timeout) if usable else None, "collective_loader:control"
+    )
     assert group is not None
     return group
 
@@ -59,9 +61,10 @@ def agree_outcome(group: dist.ProcessGroup, kind: Kind, message: str) -> tuple[K
     # MAX-reduce: [any END, any failure, -(lowest failing rank)]
     flags = torch.tensor([int(kind == Kind.END), int(failed), -me if failed else -(1 << 40)], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    if not flags[1]:
-        return (Kind.END if flags[0] else Kind.DATA), "", -1
-    origin = int(-flags[2])
+    any_end, any_failed, lowest = flags.tolist()
+    if not any_failed:
+        return (Kind.END if any_end else Kind.DATA), "", -1
+    origin = -lowest
     buf = encode_message(f"{int(kind)}:{message}") if me == origin else torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
     dist.broadcast(buf, src=origin, group=group)
     code, _, text = decode_message(buf).partition(":")

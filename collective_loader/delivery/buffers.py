@@ -47,19 +47,20 @@ class BufferPool:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.pin = pin
-        self._bufs: list[torch.Tensor] = []
+        self._bufs: list[torch.Tensor] = []  # by size, smallest first
         self.allocations = 0  # buffers allocated so far (a steady loop stops allocating)
 
     def take(self, nbytes: int) -> torch.Tensor:
-        free = [i for i, b in enumerate(self._bufs) if not _in_use(b)]
-        fits = [i for i in free if self._bufs[i].numel() >= nbytes]
-        if fits:
-            best = min(fits, key=lambda i: self._bufs[i].numel())
-            return self._bufs[best][:nbytes]
+        for buf in self._bufs:  # smallest first
+            if buf.numel() >= nbytes and not _in_use(buf):
+                return buf[:nbytes]
         new = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         self.allocations += 1
         if len(self._bufs) < self.capacity:
             self._bufs.append(new)
-        elif free:
-            self._bufs[free[0]] = new  # every free one is too small: replace one
+        else:  # every free one is too small: replace one
+            free = next((i for i, buf in enumerate(self._bufs) if not _in_use(buf)), None)
+            if free is not None:
+                self._bufs[free] = new
+        self._bufs.sort(key=torch.Tensor.numel)
         return new[:nbytes]

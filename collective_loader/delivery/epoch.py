@@ -61,7 +61,8 @@ class Epoch(Iterator[Batch]):
         if place.is_leader:
             leader: protocol.LeaderStep  # the watchdog reports through it (after seconds, not now)
             watch = StallWatch(
-                protocol.STALL_AFTER * settings.timeout, lambda step: self._prefetch.interrupt(leader.stalled(step)),
+                protocol.STALL_AFTER * settings.timeout,
+                lambda step: self._prefetch.interrupt(leader.stalled(step)),
                 f"{name}-watch",
             )
             leader = protocol.LeaderStep(settings, stream, self._load, self._source_state, watch)
@@ -70,8 +71,11 @@ class Epoch(Iterator[Batch]):
             self._step = protocol.MemberStep(settings, stream)
         # an exception in a step ends the epoch: it is raised in the training loop
         self._prefetch: Prefetcher[protocol.Item] = Prefetcher(
-            self._step.step, settings.prefetch, is_last=lambda item: item.kind != Kind.DATA,
-            on_error=protocol.failed, name=name,
+            self._step.step,
+            settings.prefetch,
+            is_last=lambda item: item.kind != Kind.DATA,
+            on_error=protocol.failed,
+            name=name,
         )
 
     # --- training-loop side ----------------------------------------------------------------
@@ -98,7 +102,10 @@ class Epoch(Iterator[Batch]):
             nbytes = sum(v.nbytes for v in item.batch.values() if isinstance(v, torch.Tensor))
             log.debug(
                 "rank %d step %d: %d tensor bytes, waited %.3f ms in next()",
-                self.settings.place.rank, item.step, nbytes, 1e3 * (time.perf_counter() - started),
+                self.settings.place.rank,
+                item.step,
+                nbytes,
+                1e3 * (time.perf_counter() - started),
             )
         while self._copies and self._copies[0][0].query():
             self._copies.popleft()  # their copies are done: the host buffers may be reused

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Callable
@@ -31,6 +32,10 @@ class Prefetcher(Generic[T]):
 
     The thread stops after a step whose item ``is_last`` says ends the sequence, or when
     ``step_fn`` raises; the exception then becomes the last item through ``on_error``.
+
+    Items and credits travel through two :class:`queue.SimpleQueue` (C, no Python-level
+    condition): :meth:`take` is one ``get`` and one ``put``, which matters because it runs on the
+    training thread once per step, and the thread sleeps in a blocking ``get`` between steps.
     """
 
     def __init__(
@@ -44,10 +49,11 @@ class Prefetcher(Generic[T]):
         if lead < 1:
             raise ValueError(f"lead must be >= 1, got {lead}")
         self._step_fn, self._is_last, self._on_error = step_fn, is_last, on_error
-        self._queue: queue.Queue[T] = queue.Queue()
-        self._cond = threading.Condition()
-        self._granted = lead  # steps the thread may run; +1 per item taken
-        self._closing = False
+        self._lead = lead
+        self._queue: queue.SimpleQueue[T] = queue.SimpleQueue()
+        # one True per item taken: the thread may run one step further; False: close
+        self._credits: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # a step's item and an interrupt are queued one at a time
         self._interrupted = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -55,15 +61,13 @@ class Prefetcher(Generic[T]):
     def take(self) -> T:
         """The next step's item; waits for it. Lets the thread run one step further."""
         item = self._queue.get()
-        with self._cond:
-            self._granted += 1
-            self._cond.notify()
+        self._credits.put(True)
         return item
 
     def interrupt(self, item: T) -> None:
         """From another thread, while a step is stuck (a stalled source): queue ``item`` as the
         last item; whatever the stuck step returns later is dropped."""
-        with self._cond:
+        with self._lock:
             self._interrupted = True
             self._queue.put(item)
 
@@ -73,9 +77,7 @@ class Prefetcher(Generic[T]):
         Waits at most ``wait`` seconds; a thread stuck in its step (a stalled source) is left
         behind as a daemon: see :meth:`alive`.
         """
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
+        self._credits.put(False)  # after every credit already given: those steps run first
         self._thread.join(wait)
 
     def alive(self) -> bool:
@@ -83,21 +85,16 @@ class Prefetcher(Generic[T]):
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        step = 0
-        while True:
-            with self._cond:
-                while step >= self._granted and not self._closing:
-                    self._cond.wait()
-                if step >= self._granted:
-                    return
+        for step in itertools.count():
+            if step >= self._lead and not self._credits.get():
+                return
             try:
                 item, last = self._step_fn(step), False
             except BaseException as e:  # handed to the consumer, raised there
                 item, last = self._on_error(e), True
-            with self._cond:
+            with self._lock:
                 if self._interrupted:
                     return
                 self._queue.put(item)
-            step += 1
             if last or self._is_last(item):
                 return

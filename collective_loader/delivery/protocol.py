@@ -48,7 +48,7 @@ Batch = dict[str, Any]
 STALL_AFTER = 0.75
 
 
-@dataclass
+@dataclass(slots=True)
 class Item:
     """One step as the transfer thread hands it to the training thread."""
 
@@ -62,6 +62,16 @@ class Item:
     # device transport, DATA only: what the training thread still moves
     sends: list[tuple[Channel, Any]] = field(default_factory=list)  # leader: (channel, tensor bytes)
     receive: tuple[Channel, Header, torch.Tensor] | None = None  # member: (channel, header, description)
+
+
+@dataclass
+class _Packed:
+    """One channel's message (or per-member messages) of a step, as its leader built them."""
+
+    message: Any  # the message, or the i-th member's message per member (scatter)
+    header: Header  # of the leader's own message (on a scattered channel, every message's size)
+    batch: Batch  # the leader's own host batch: views of its own message
+    layout: wire.Layout  # the description of the leader's own message
 
 
 class _Step:
@@ -108,17 +118,20 @@ class LeaderStep(_Step):
         super().__init__(settings, stream)
         self._load, self._source_state, self.watch = load, source_state, watch
         self._device_transport = settings.transport == "device"
+        self._data_channels = [(name, ch) for name, ch in settings.groups.channels.items() if ch.carries_data]
+        # one per message stream (a channel, and a shard on a scattered one): reuses repeating descriptions
+        self._encoders: dict[tuple[str, tuple], wire.Encoder] = {}
 
     def step(self, step: int) -> Item:
-        groups = self.settings.groups
         cause: BaseException | None
-        kind, message, cause, packed, state = Kind.DATA, "", None, {}, None
+        packed: dict[str, _Packed] = {}
+        kind, message, cause, state = Kind.DATA, "", None, None
         try:
             with self.watch.loading(step):  # step 0 also starts (and resumes) the source
                 batch = self._load(step)
                 state = self._source_state()
             self.settings.routing.check(batch)
-            packed = {name: self._pack(ch, step, batch) for name, ch in groups.channels.items() if ch.carries_data}
+            packed = {name: self._pack(ch, step, batch) for name, ch in self._data_channels}
         except StopIteration:
             kind = Kind.END
         except BatchError as e:
@@ -142,7 +155,9 @@ class LeaderStep(_Step):
         except DeliveryError as e:
             return Item(Kind.DELIVERY_ERROR, step, error=e)
 
-    def _deliver(self, step: int, kind: Kind, message: str, cause: BaseException | None, packed: dict, state: Any) -> Item:
+    def _deliver(
+        self, step: int, kind: Kind, message: str, cause: BaseException | None, packed: dict[str, _Packed], state: Any
+    ) -> Item:
         """Agree on the step's outcome with the other leaders, then send it to every group."""
         settings, place, groups = self.settings, self.place, self.settings.groups
         origin = place.rank
@@ -159,11 +174,13 @@ class LeaderStep(_Step):
             for name, channel in groups.channels.items():
                 try:
                     if channel.carries_data:
-                        channel.send(*packed[name][:2])
+                        channel.send(packed[name].message, packed[name].header)
                     else:
                         channel.send_plan(Kind.DATA, step)
                 except RuntimeError as e:
-                    text = self._failure(f"could not deliver step {step} to the {name} stage (ranks {list(channel.ranks)})", e)
+                    text = self._failure(
+                        f"could not deliver step {step} to the {name} stage (ranks {list(channel.ranks)})", e
+                    )
                     self._warn_leaders(text)
                     self._warn_replica(step, text, sent, failed=name)
                     raise DeliveryError(text) from e
@@ -175,7 +192,11 @@ class LeaderStep(_Step):
             return Item(Kind.END, step)
         dp = settings.mesh_layout.leaders().index(origin)
         # a delivery failure's message already names its leader and step
-        text = message if kind == Kind.DELIVERY_ERROR else f"leader rank {origin} (dp_rank {dp}) failed at step {step}: {message}"
+        text = (
+            message
+            if kind == Kind.DELIVERY_ERROR
+            else f"leader rank {origin} (dp_rank {dp}) failed at step {step}: {message}"
+        )
         for channel in groups.channels.values():
             channel.send_plan(kind, step, wire.plan({"message": text}))
         error = error_of(kind, text)
@@ -183,60 +204,67 @@ class LeaderStep(_Step):
             error.__cause__ = cause
         return Item(kind, step, error=error)
 
-    def _data_item(self, step: int, packed: dict, state: Any) -> Item:
+    def _data_item(self, step: int, packed: dict[str, _Packed], state: Any) -> Item:
         """The leader's own batch of a delivered step; with the device transport, on the device,
         with the tensor bytes the training thread will send (:func:`post`)."""
         item = Item(Kind.DATA, step, source_state=state)
         own = "first" if self.place.stage == "both" else self.place.stage  # the leader's stage group
         if not self._device_transport:
-            return self._on_device(item, packed[own][2] if own in packed else {})
+            return self._on_device(item, packed[own].batch if own in packed else {})
         channels = self.settings.groups.channels
         # every distinct message's payload once (scatter peers that share a shard share a message)
-        unique = {id(m): _payload(m, h) for message, h, _ in packed.values() for m in _as_list(message)}
+        unique = {id(m): _payload(m, p.header) for p in packed.values() for m in _as_list(p.message)}
         on_device = cast(dict[int, torch.Tensor], self._on_device(item, unique).batch)
-        for name, (message, header, _) in packed.items():
-            start = wire.data_start(header.meta_nbytes)
-            data = [on_device[id(m)][start:] for m in _as_list(message)]
+        for name, p in packed.items():
+            start = wire.data_start(p.header.meta_nbytes)
+            data = [on_device[id(m)][start:] for m in _as_list(p.message)]
             item.sends.append((channels[name], data if channels[name].scattered else data[0]))
         # the leader's own batch: views into its device copy of its stage's message
         if own not in packed:  # a middle stage that gets no data
             item.batch = {}
             return item
-        channel = channels[own]
-        message, header, _ = packed[own]
-        mine = _as_list(message)[channel.ranks.index(self.place.rank) if channel.scattered else 0]
-        batch = wire.unpack(on_device[id(mine)], header.meta_nbytes, meta=_payload(mine, header))
+        channel, p = channels[own], packed[own]
+        mine = _as_list(p.message)[channel.ranks.index(self.place.rank) if channel.scattered else 0]
+        batch = p.layout.batch(p.layout.views(on_device[id(mine)]))
         item.batch = batch if channel.scattered else self.settings.routing.piece(batch, self.place.shard)
         return item
 
-    def _pack(self, channel: Channel, step: int, batch: Mapping[str, Any]) -> tuple[Any, Header, Batch]:
-        """``(message or per-member messages, header, leader's own host batch)`` for one channel."""
+    def _pack(self, channel: Channel, step: int, batch: Mapping[str, Any]) -> _Packed:
+        """The message (or per-member messages) of one channel, and the leader's own host batch:
+        views of its message, as a member's decode would give them, without decoding."""
         settings = self.settings
         routing, layout = settings.routing, settings.mesh_layout
         stage = "both" if self.place.pp_size == 1 else channel.name
         selected = routing.select(batch, stage)
         if settings.delivery == "broadcast":
-            message, header = self._message(channel, step, selected)
-            own = wire.unpack(_payload(message, header), header.meta_nbytes)
-            return message, header, routing.piece(own, self.place.shard)
-        by_levels: dict[tuple, tuple[torch.Tensor, Header]] = {}
+            message, header, views, described = self._message(channel, step, selected, ())
+            return _Packed(message, header, routing.piece(described.batch(views), self.place.shard), described)
+        by_levels: dict[tuple, tuple[torch.Tensor, Header, list[torch.Tensor], wire.Layout]] = {}
         for rank in channel.ranks:
             levels = layout.place(rank).shard
             if levels not in by_levels:
-                by_levels[levels] = self._message(channel, step, routing.piece(selected, levels))
-        headers = {(h.payload_nbytes, h.meta_nbytes) for _, h in by_levels.values()}
+                by_levels[levels] = self._message(channel, step, routing.piece(selected, levels), levels)
+        headers = {(h.payload_nbytes, h.meta_nbytes) for _, h, _, _ in by_levels.values()}
         assert len(headers) == 1, headers  # equal shapes per shard, so equal sizes
         messages = [by_levels[layout.place(r).shard][0] for r in channel.ranks]
-        mine, header = by_levels[self.place.shard]
-        return messages, header, wire.unpack(_payload(mine, header), header.meta_nbytes)
+        _, header, views, described = by_levels[self.place.shard]
+        return _Packed(messages, header, described.batch(views), described)
 
-    def _message(self, channel: Channel, step: int, batch: Mapping[str, Any]) -> tuple[torch.Tensor, Header]:
-        plan = wire.plan(batch)
+    def _message(
+        self, channel: Channel, step: int, batch: Mapping[str, Any], shard: tuple
+    ) -> tuple[torch.Tensor, Header, list[torch.Tensor], wire.Layout]:
+        """``(message, header, its views of the batch's tensors, its description)``."""
+        key = (channel.name, shard)
+        encoder = self._encoders.get(key)
+        if encoder is None:
+            encoder = self._encoders[key] = wire.Encoder()
+        plan = encoder.plan(batch)
         if plan.nbytes > self.settings.max_batch_bytes:
             raise BatchError(
                 f"a {channel.name}-stage payload is {plan.nbytes} bytes; max_batch_bytes is {self.settings.max_batch_bytes}"
             )
-        return channel.message(Kind.DATA, step, plan)
+        assert plan.layout is not None
+        return (*channel.message(Kind.DATA, step, plan), plan.layout)
 
     def _failure(self, what: str, error: BaseException) -> str:
         place = self.place
@@ -263,9 +291,13 @@ class LeaderStep(_Step):
 class MemberStep(_Step):
     """Any rank but the leader: receives each step from its leader on its one delivery group."""
 
+    def __init__(self, settings: Settings, stream: Any) -> None:
+        super().__init__(settings, stream)
+        self._channel = next(iter(settings.groups.channels.values()))
+
     def step(self, step: int) -> Item:
         settings = self.settings
-        channel = next(iter(settings.groups.channels.values()))
+        channel = self._channel
         with self._collectives(f"waited for leader rank {channel.leader} to deliver step {step} and gave up"):
             header, payload = channel.recv(settings.max_batch_bytes)
         if header.step != step:
@@ -277,7 +309,7 @@ class MemberStep(_Step):
                 return Item(Kind.DATA, step)
             if channel.data_group is not None:
                 return Item(Kind.DATA, step, receive=(channel, header, payload))
-            batch = wire.unpack(payload, header.meta_nbytes)
+            batch = channel.decoder.unpack(payload, header.meta_nbytes)
             if not channel.scattered:
                 batch = settings.routing.piece(batch, self.place.shard)
             return self._on_device(Item(Kind.DATA, step), batch)
@@ -336,7 +368,7 @@ def complete(settings: Settings, posted: Posted) -> Item:
     if item.receive is not None:
         channel, header, meta = item.receive
         assert posted.into is not None
-        batch = wire.unpack(posted.into, header.meta_nbytes, meta=meta)
+        batch = channel.decoder.unpack(posted.into, header.meta_nbytes, meta=meta)
         item.batch = batch if channel.scattered else settings.routing.piece(batch, settings.place.shard)
         item.receive = None
     item.sends = []
@@ -369,7 +401,8 @@ def _delivery_error(settings: Settings, what: str, error: BaseException) -> Deli
 
 def _transfer_error(settings: Settings, step: int, channel: Channel, error: BaseException) -> DeliveryError:
     return _delivery_error(
-        settings, f"could not move step {step}'s tensor bytes over the {channel.name} group (ranks {list(channel.ranks)})",
+        settings,
+        f"could not move step {step}'s tensor bytes over the {channel.name} group (ranks {list(channel.ranks)})",
         error,
     )
 

@@ -44,7 +44,12 @@ class Settings:
 
 
 def config_text(
-    mesh_layout: MeshLayout, routing: Routing, delivery: str, transport: str, prefetch: int, timeout: float,
+    mesh_layout: MeshLayout,
+    routing: Routing,
+    delivery: str,
+    transport: str,
+    prefetch: int,
+    timeout: float,
     max_batch_bytes: int,
 ) -> str:
     """What every rank's loader must agree on, as one line; compared by digest

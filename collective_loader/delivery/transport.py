@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 import torch
@@ -41,7 +41,9 @@ def new_group(ranks: Sequence[int], backend: str, timeout: float | None, desc: s
     """Create a group on every rank (``desc`` names it in torch's logs and errors); return it on
     members, None elsewhere."""
     group = dist.new_group(
-        list(ranks), backend=backend, timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
+        list(ranks),
+        backend=backend,
+        timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
         group_desc=desc,
     )
     if dist.get_rank() not in ranks:
@@ -103,6 +105,11 @@ class Channel:
     collectives: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    # members: the description of the last DATA payload, reused while it repeats byte for byte
+    decoder: wire.Decoder = field(default_factory=wire.Decoder, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._leading = dist.get_rank() == self.leader
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         """A host uint8 buffer for a message of ``nbytes`` (longer when the frame is)."""
@@ -111,15 +118,17 @@ class Channel:
             return self.pool.take(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def message(self, kind: Kind, step: int, plan: wire.Plan) -> tuple[torch.Tensor, Header]:
-        """Leader: ``(host buffer, header)`` of the message announcing ``kind`` with ``plan``."""
+    def message(self, kind: Kind, step: int, plan: wire.Plan) -> tuple[torch.Tensor, Header, list[torch.Tensor]]:
+        """Leader: ``(host buffer, header, views)`` of the message announcing ``kind`` with
+        ``plan``; ``views`` are the buffer's views holding the plan's tensors."""
         buf = self.buffer(wire.HEADER_BYTES + plan.nbytes)
-        wire.write_message(kind, step, plan, buf)
-        return buf, Header(kind, step, plan.nbytes, len(plan.meta))
+        views = wire.write_message(kind, step, plan, buf)
+        return buf, Header(kind, step, plan.nbytes, len(plan.meta)), views
 
     def send_plan(self, kind: Kind, step: int, plan: wire.Plan = wire.NOTHING) -> None:
         """Leader: build one message and send it to every member over gloo."""
-        self.send(*self.message(kind, step, plan))
+        buf, header, _ = self.message(kind, step, plan)
+        self.send(buf, header)
 
     def send(self, message: torch.Tensor | Sequence[torch.Tensor], header: Header) -> None:
         """Leader: send a message (from :meth:`message`) over gloo.
@@ -131,7 +140,8 @@ class Channel:
         nbytes = wire.HEADER_BYTES + self.carried_nbytes(header)
         for piece in self._pieces(nbytes):
             if isinstance(message, torch.Tensor) and not self.scattered:
-                dist.broadcast(message[piece], src=self.leader, group=self.group)
+                whole = piece.start == 0 and piece.stop == message.numel()  # the steady state: no view to make
+                dist.broadcast(message if whole else message[piece], src=self.leader, group=self.group)
             else:
                 parts = [message] * len(self.ranks) if isinstance(message, torch.Tensor) else message
                 # the leader receives its own part into scratch space: its message stays as it is
@@ -152,7 +162,7 @@ class Channel:
 
     def _count(self, nbytes: int) -> None:
         self.collectives += 1
-        if dist.get_rank() == self.leader:
+        if self._leading:
             self.bytes_sent += nbytes * (len(self.ranks) - 1)
         else:
             self.bytes_received += nbytes
@@ -166,9 +176,9 @@ class Channel:
         announces more than ``max_payload_bytes``.
         """
         frame = self.frame_nbytes
-        buf = self.buffer(frame)
-        self._recv_into(buf[:frame])
-        header = Header.decode(buf[: wire.HEADER_BYTES].view(torch.int64), max_payload_bytes)
+        buf = self.buffer(frame)  # exactly frame bytes
+        self._recv_into(buf)
+        header = Header.read(buf, max_payload_bytes)
         nbytes = wire.HEADER_BYTES + self.carried_nbytes(header)
         if nbytes > frame:
             whole = self.buffer(nbytes)
@@ -202,7 +212,9 @@ class Channel:
         else:  # the scattering leader's per-member messages
             parts = list(data)
             nbytes = parts[0].numel()
-            work = dist.scatter(torch.empty_like(parts[0]), parts, src=self.leader, group=self.data_group, async_op=True)
+            work = dist.scatter(
+                torch.empty_like(parts[0]), parts, src=self.leader, group=self.data_group, async_op=True
+            )
         assert work is not None
         self._count(nbytes)
         return work

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 JOIN_WAIT = 5.0  # seconds to wait for the watchdog thread at close
 SLOW_AFTER = 0.5  # share of ``after``: a call still running then is logged as slow (WARNING)
@@ -46,15 +45,19 @@ class StallWatch:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    @contextlib.contextmanager
-    def loading(self, step: int) -> Iterator[None]:
+    def loading(self, step: int) -> StallWatch:
+        """Mark a call into the source for ``step``, as ``with watch.loading(step): ...``: one lock
+        and a clock read on each side, nothing signalled."""
         with self._lock:
             self._step, self._since = step, time.monotonic()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._step = None
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._step = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.after / 16):
@@ -65,7 +68,10 @@ class StallWatch:
                     self._warned = step
                     log.warning(
                         "%s: the source has not returned step %d after %.0fs; reported as stalled after %.0fs",
-                        self._thread.name, step, took, self.after,
+                        self._thread.name,
+                        step,
+                        took,
+                        self.after,
                     )
                 if step is None or took < self.after:
                     continue

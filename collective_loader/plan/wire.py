@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,11 +47,25 @@ MAX_DIM_SIZE = 1 << 48
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
-        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.uint16, torch.uint32, torch.uint64,
-        torch.float16, torch.bfloat16, torch.float32, torch.float64,
-        torch.complex64, torch.complex128,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
     )
 }
 _NAMES = {d: n for n, d in _DTYPES.items()}
@@ -72,6 +87,10 @@ class Kind(enum.IntEnum):
         return self not in (Kind.DATA, Kind.END)
 
 
+_KINDS = frozenset(k.value for k in Kind)
+_HEADER = struct.Struct(f"={HEADER_WORDS}q")  # the header's words as the host's int64s
+
+
 @dataclass(frozen=True)
 class Header:
     kind: Kind
@@ -79,20 +98,31 @@ class Header:
     payload_nbytes: int
     meta_nbytes: int
 
+    def words(self) -> tuple[int, ...]:
+        """The header's ``HEADER_WORDS`` int64 words."""
+        words = (MAGIC, VERSION, int(self.kind), self.step, self.payload_nbytes, self.meta_nbytes)
+        return words + (0,) * (HEADER_WORDS - len(words))
+
     def encode(self) -> torch.Tensor:
         """The header as an int64 tensor of ``HEADER_WORDS`` words."""
-        words = [MAGIC, VERSION, int(self.kind), self.step, self.payload_nbytes, self.meta_nbytes]
-        return torch.tensor(words + [0] * (HEADER_WORDS - len(words)), dtype=torch.int64)
+        return torch.tensor(self.words(), dtype=torch.int64)
 
     @classmethod
     def decode(cls, words: torch.Tensor, max_payload_bytes: int) -> Header:
-        """Check and decode a received header; raise :class:`WireError` if anything is off."""
+        """Check and decode a received header (``HEADER_WORDS`` int64 words); raise
+        :class:`WireError` if anything is off."""
         if words.dtype != torch.int64 or words.dim() != 1 or words.numel() != HEADER_WORDS:
             raise WireError(f"header must be {HEADER_WORDS} int64 words, got {words.numel()} {words.dtype}")
-        magic, version, kind, step, payload, meta = (int(w) for w in words.tolist()[:6])
+        return cls.read(words.cpu().contiguous().view(torch.uint8), max_payload_bytes)
+
+    @classmethod
+    def read(cls, message: torch.Tensor, max_payload_bytes: int) -> Header:
+        """Check and decode the header a received message starts with (uint8, CPU, at least
+        ``HEADER_BYTES`` long); raise :class:`WireError` if anything is off."""
+        magic, version, kind, step, payload, meta = _HEADER.unpack_from(message.numpy().data)[:6]
         if magic != MAGIC or version != VERSION:
             raise WireError(f"bad header magic/version {magic:#x}/{version}: not a collective_loader peer")
-        if kind not in {k.value for k in Kind}:
+        if kind not in _KINDS:
             raise WireError(f"unknown header kind {kind}")
         if step < 0:
             raise WireError(f"negative step {step} in header")
@@ -117,11 +147,15 @@ def data_start(meta_nbytes: int) -> int:
 
 @dataclass
 class Plan:
-    """Where everything of one batch goes in the payload; :func:`write` fills a buffer from it."""
+    """Where everything of one batch goes in the payload; :func:`write` fills a buffer from it.
+
+    ``layout``: the description as a receiver decodes it (None only for :data:`NOTHING`).
+    """
 
     meta: bytes
     tensors: list[tuple[int, torch.Tensor]]  # (byte offset, tensor as given)
     nbytes: int
+    layout: Layout | None = None
 
 
 def _check_value(value: Any, path: str, depth: int) -> None:
@@ -139,16 +173,17 @@ def _check_value(value: Any, path: str, depth: int) -> None:
     )
 
 
-def plan(batch: Mapping[str, Any]) -> Plan:
-    """Lay out ``batch`` (a mapping, nested mappings allowed) in one payload.
+class _Walk:
+    """One batch's description tree, its tensors and their data offsets (relative to the data
+    start); ``exact`` while the tree holds only tensors and mappings with ``str`` keys, whose
+    equality is then the equality of their encoded descriptions."""
 
-    Tuples are delivered as lists. Raises :class:`BatchError` naming the key of anything that
-    cannot be delivered.
-    """
-    tensors: list[tuple[int, torch.Tensor]] = []
-    offsets = [0]  # running data size, relative to the data start
+    def __init__(self) -> None:
+        self.tensors: list[tuple[int, torch.Tensor]] = []
+        self.nbytes = 0
+        self.exact = True
 
-    def node(value: Any, path: str, depth: int) -> Any:
+    def node(self, value: Any, path: str, depth: int) -> Any:
         if isinstance(value, torch.Tensor):
             if value.is_nested or value.layout != torch.strided:
                 kind = "nested" if value.is_nested else str(value.layout)
@@ -158,67 +193,105 @@ def plan(batch: Mapping[str, Any]) -> Plan:
             name = _NAMES.get(value.dtype)
             if name is None:
                 raise BatchError(f"tensor at {path!r} has dtype {value.dtype}, which is not delivered")
-            offset = offsets[0]
-            tensors.append((offset, value))
-            offsets[0] = _align(offset + value.numel() * value.element_size())
+            offset = self.nbytes
+            self.tensors.append((offset, value))
+            self.nbytes = _align(offset + value.numel() * value.element_size())
             return {"T": name, "s": list(value.shape), "o": offset}
         if isinstance(value, Mapping):
             if depth >= MAX_DEPTH:
                 raise BatchError(f"mapping at {path!r} is nested deeper than {MAX_DEPTH}")
             items = []
             for key, item in value.items():
-                if not isinstance(key, str):
-                    raise BatchError(f"mapping keys must be str, got {key!r} at {path!r}")
-                items.append([key, node(item, f"{path}.{key}" if path else key, depth + 1)])  # noqa: F821 (deleted after use, below)
+                if type(key) is not str:
+                    if not isinstance(key, str):
+                        raise BatchError(f"mapping keys must be str, got {key!r} at {path!r}")
+                    self.exact = False
+                items.append([key, self.node(item, f"{path}.{key}" if path else key, depth + 1)])
             return {"M": items}
         _check_value(value, path, depth)
+        self.exact = False
         return {"V": value}
 
-    if not isinstance(batch, Mapping):
-        raise BatchError(f"a batch must be a mapping of str to tensors, got {type(batch).__qualname__}")
-    try:
-        tree = node(batch, "", 0)
-    finally:
-        del node  # the recursive closure is a reference cycle that would hold the batch until gc
-    try:
-        meta = json.dumps(tree, separators=(",", ":")).encode()
-    except (TypeError, ValueError) as e:  # e.g. a circular list
-        raise BatchError(f"batch cannot be encoded: {e}") from None
-    if len(meta) > MAX_META_BYTES:
-        raise BatchError(f"batch description is {len(meta)} bytes; the limit is {MAX_META_BYTES}")
-    start = _align(len(meta))
-    return Plan(meta, [(start + o, t) for o, t in tensors], start + offsets[0])
+
+class Encoder:
+    """Plans the batches of one stream of messages (a channel's, for one shard).
+
+    A batch whose description repeats the last one's (tensors of the same dtypes and shapes
+    under the same keys) reuses its encoded description and :class:`Layout`: no JSON encoding,
+    and no decoding of the leader's own message for its own batch. Plain values are encoded
+    every time; their layout is reused when the encoded bytes are the same.
+    """
+
+    def __init__(self) -> None:
+        self._tree: Any = None  # the last exact tree, whose layout is self._layout
+        self._layout: Layout | None = None
+
+    def plan(self, batch: Mapping[str, Any]) -> Plan:
+        """Lay out ``batch`` (a mapping, nested mappings allowed) in one payload.
+
+        Tuples are delivered as lists. Raises :class:`BatchError` naming the key of anything that
+        cannot be delivered.
+        """
+        if not isinstance(batch, Mapping):
+            raise BatchError(f"a batch must be a mapping of str to tensors, got {type(batch).__qualname__}")
+        walk = _Walk()
+        tree = walk.node(batch, "", 0)
+        layout = self._layout
+        if layout is None or not walk.exact or tree != self._tree:
+            try:
+                meta = json.dumps(tree, separators=(",", ":")).encode()
+            except (TypeError, ValueError) as e:  # e.g. a circular list
+                raise BatchError(f"batch cannot be encoded: {e}") from None
+            if len(meta) > MAX_META_BYTES:
+                raise BatchError(f"batch description is {len(meta)} bytes; the limit is {MAX_META_BYTES}")
+            if layout is None or meta != layout.meta:
+                layout = describe(meta, _align(len(meta)) + walk.nbytes)
+            self._tree, self._layout = (tree if walk.exact else None), layout
+        start = _align(len(layout.meta))
+        return Plan(layout.meta, [(start + o, t) for o, t in walk.tensors], start + walk.nbytes, layout)
 
 
-def write(plan_: Plan, out: torch.Tensor) -> None:
-    """Fill ``out`` (uint8, ``plan_.nbytes`` long, any device) with the planned payload."""
-    meta = torch.frombuffer(bytearray(plan_.meta), dtype=torch.uint8) if plan_.meta else torch.empty(0, dtype=torch.uint8)
-    out[: len(plan_.meta)].copy_(meta, non_blocking=True)
-    for offset, tensor in plan_.tensors:
-        # copy into a typed view of the destination: any strides, conj/neg views and devices work
-        nbytes = tensor.numel() * tensor.element_size()
-        out[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach(), non_blocking=True)
+def plan(batch: Mapping[str, Any]) -> Plan:
+    """Lay out ``batch`` in one payload (see :meth:`Encoder.plan`; nothing is reused)."""
+    return Encoder().plan(batch)
+
+
+def write(plan_: Plan, out: torch.Tensor) -> list[torch.Tensor]:
+    """Fill ``out`` (uint8, CPU, ``plan_.nbytes`` long, on an ``ALIGN`` boundary of its storage)
+    with the planned payload; return the views of ``out`` that hold the batch's tensors, in plan
+    order."""
+    meta = plan_.meta
+    if meta:
+        out.numpy().data[: len(meta)] = meta
+    if plan_.layout is None:
+        return []
+    views = plan_.layout.views(out)
+    for view, (_, tensor) in zip(views, plan_.tensors):
+        # a copy into a typed view of the destination: any strides, conj/neg views and devices work
+        view.copy_(tensor.detach() if tensor.requires_grad else tensor, non_blocking=True)
+    return views
 
 
 NOTHING = Plan(b"", [], 0)  # the payload of a message that is its header alone
 
 
-def write_message(kind: Kind, step: int, plan_: Plan, out: torch.Tensor) -> int:
-    """Fill ``out`` (uint8, CPU) with one message, the header then the payload; return its size.
+def write_message(kind: Kind, step: int, plan_: Plan, out: torch.Tensor) -> list[torch.Tensor]:
+    """Fill ``out`` (uint8, CPU, ``HEADER_BYTES + plan_.nbytes`` long at least) with one message,
+    the header then the payload; return the views of ``out`` that hold the batch's tensors.
 
     Example::
 
         >>> out = torch.empty(256, dtype=torch.uint8)
-        >>> n = write_message(Kind.DATA, 3, plan({"x": torch.ones(2)}), out)
+        >>> p = plan({"x": torch.ones(2)})
+        >>> views = write_message(Kind.DATA, 3, p, out)
         >>> header = Header.decode(out[:HEADER_BYTES].view(torch.int64), 1 << 20)
-        >>> header.step, n == HEADER_BYTES + header.payload_nbytes
-        (3, True)
-        >>> unpack(out[HEADER_BYTES:n], header.meta_nbytes)
+        >>> header.step, header.payload_nbytes == p.nbytes, views
+        (3, True, [tensor([1., 1.])])
+        >>> unpack(out[HEADER_BYTES : HEADER_BYTES + p.nbytes], header.meta_nbytes)
         {'x': tensor([1., 1.])}
     """
-    out[:HEADER_BYTES].view(torch.int64).copy_(Header(kind, step, plan_.nbytes, len(plan_.meta)).encode())
-    write(plan_, out[HEADER_BYTES : HEADER_BYTES + plan_.nbytes])
-    return HEADER_BYTES + plan_.nbytes
+    _HEADER.pack_into(out.numpy().data, 0, *Header(kind, step, plan_.nbytes, len(plan_.meta)).words())
+    return write(plan_, out[HEADER_BYTES : HEADER_BYTES + plan_.nbytes])
 
 
 def pack(batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
@@ -232,39 +305,74 @@ def pack(batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
 # --- decoding ---------------------------------------------------------------------------------
 
 
-def unpack(payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> dict[str, Any]:
-    """Decode a payload; tensors are views into ``payload``. Raises :class:`WireError`.
+class _Slot:
+    """A tensor's place in a :class:`Layout`'s template: the index of its view."""
 
-    ``meta``: the description (uint8, host), when it travelled apart from the tensor bytes
-    (the device transport); ``payload``'s first ``meta_nbytes`` bytes are then not read, so a
-    GPU payload is decoded without a copy to the host.
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A checked batch description: the batch's tree and where each tensor lies in a payload.
+
+    Made by :func:`describe` from the description's bytes and the payload's size, never from
+    the payload's data, so one layout serves every payload with the same description (and at
+    least ``end`` bytes). It holds no tensor: keeping one keeps no buffer in use.
     """
-    if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
-        raise WireError(f"payload must be a contiguous 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}")
-    if payload.storage_offset() % ALIGN:
-        raise WireError(f"payload starts at byte {payload.storage_offset()} of its storage, not on a {ALIGN}-byte boundary")
-    size = payload.numel()
-    if not 0 <= meta_nbytes <= min(size, MAX_META_BYTES):
-        raise WireError(f"meta size {meta_nbytes} does not fit a payload of {size} bytes")
-    if meta is not None and meta.numel() < meta_nbytes:
-        raise WireError(f"description of {meta.numel()} bytes is shorter than the {meta_nbytes} announced")
-    try:
-        described = payload[:meta_nbytes] if meta is None else meta[:meta_nbytes]
-        tree = json.loads(bytes(described.cpu().numpy()).decode())
-    except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        raise WireError(f"batch description does not decode: {e}") from None
-    data_start = _align(meta_nbytes)
 
-    def value(v: Any, depth: int) -> Any:
+    meta: bytes
+    tensors: tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int], ...]  # dtype, shape, strides, byte offset
+    template: Any  # the batch's tree: dicts, plain values, a _Slot per tensor
+    end: int  # the payload bytes its tensors need
+
+    def views(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Every tensor, in description order, as a view of ``payload`` (uint8, 1-D, at least
+        ``end`` bytes, on an ``ALIGN`` boundary of its storage: the caller has checked)."""
+        storage, base, device = payload.untyped_storage(), payload.storage_offset(), payload.device
+        return [
+            torch.empty(0, dtype=dtype, device=device).set_(
+                storage, (base + offset) // _ITEMSIZE[dtype], shape, strides
+            )
+            for dtype, shape, strides, offset in self.tensors
+        ]
+
+    def batch(self, views: list[torch.Tensor]) -> dict[str, Any]:
+        """The batch with ``views`` (from :meth:`views`) as its tensors; its lists are new."""
+        return _fill(self.template, views)
+
+
+def _fill(node: Any, views: list[torch.Tensor]) -> Any:
+    kind = type(node)
+    if kind is dict:
+        return {k: _fill(v, views) for k, v in node.items()}
+    if kind is _Slot:
+        return views[node.index]
+    if kind is list:
+        return [_fill(v, views) for v in node]
+    return node
+
+
+class _Reader:
+    """Checks a decoded description against a payload of ``size`` bytes and builds its template."""
+
+    def __init__(self, data_start: int, size: int) -> None:
+        self.data_start, self.size = data_start, size
+        self.tensors: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]] = []
+        self.end = 0
+
+    def value(self, v: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise WireError(f"value nested deeper than {MAX_DEPTH}")
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
         if isinstance(v, list):
-            return [value(x, depth + 1) for x in v]
+            return [self.value(x, depth + 1) for x in v]
         raise WireError(f"unexpected value of type {type(v).__name__} in batch description")
 
-    def node(n: Any, depth: int) -> Any:
+    def node(self, n: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise WireError(f"batch nested deeper than {MAX_DEPTH}")
         if not isinstance(n, dict) or len(n) != (3 if "T" in n else 1):
@@ -277,15 +385,15 @@ def unpack(payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = 
             for item in items:
                 if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
                     raise WireError(f"malformed mapping item in batch description: {str(item)[:80]}")
-                out[item[0]] = node(item[1], depth + 1)  # noqa: F821 (deleted after use, below)
+                out[item[0]] = self.node(item[1], depth + 1)
             return out
         if "V" in n:
-            return value(n["V"], depth)
+            return self.value(n["V"], depth)
         if "T" in n:
-            return tensor(n.get("T"), n.get("s"), n.get("o"))
+            return self.tensor(n.get("T"), n.get("s"), n.get("o"))
         raise WireError(f"malformed node in batch description: {str(n)[:80]}")
 
-    def tensor(name: Any, shape: Any, offset: Any) -> torch.Tensor:
+    def tensor(self, name: Any, shape: Any, offset: Any) -> _Slot:
         dtype = _DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None:
             raise WireError(f"unknown dtype {str(name)[:40]!r} in batch description")
@@ -297,19 +405,80 @@ def unpack(payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = 
             raise WireError(f"bad shape {str(shape)[:80]} in batch description")
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset % ALIGN:
             raise WireError(f"bad tensor offset {str(offset)[:40]} in batch description")
-        offset += data_start
-        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
-        if offset + nbytes > size:
-            raise WireError(f"tensor of shape {shape} at offset {offset} overruns the {size}-byte payload")
-        try:
-            return payload[offset : offset + nbytes].view(dtype).view(shape)
-        except (RuntimeError, TypeError) as e:  # e.g. a storage offset torch cannot view as dtype
-            raise WireError(f"tensor of shape {shape} at offset {offset} cannot be viewed: {e}") from None
+        offset += self.data_start
+        numel = math.prod(shape)
+        nbytes = numel * _ITEMSIZE[dtype]
+        if offset + nbytes > self.size:
+            raise WireError(f"tensor of shape {shape} at offset {offset} overruns the {self.size}-byte payload")
+        if numel:  # every dim >= 1: the contiguous strides are bounded by numel
+            strides, step = [], 1
+            for s in reversed(shape):
+                strides.append(step)
+                step *= s
+            strides.reverse()
+        else:  # whatever torch makes of an empty tensor's shape (dims up to MAX_DIM_SIZE)
+            try:
+                strides = list(torch.empty(0, dtype=dtype).view(shape).stride())
+            except (RuntimeError, TypeError) as e:
+                raise WireError(f"tensor of shape {shape} at offset {offset} cannot be viewed: {e}") from None
+        self.tensors.append((dtype, tuple(shape), tuple(strides), offset))
+        self.end = max(self.end, offset + nbytes)
+        return _Slot(len(self.tensors) - 1)
 
+
+def describe(meta: bytes, size: int) -> Layout:
+    """Decode and check a batch description (``meta``) for a payload of ``size`` bytes whose
+    tensor data starts after it (:func:`data_start`). Raises :class:`WireError`."""
     try:
-        result = node(tree, 0)
-    finally:
-        del node  # the recursive closure is a reference cycle that would hold the payload until gc
-    if not isinstance(result, dict):
+        tree = json.loads(meta.decode())
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise WireError(f"batch description does not decode: {e}") from None
+    reader = _Reader(data_start(len(meta)), size)
+    template = reader.node(tree, 0)
+    if not isinstance(template, dict):
         raise WireError("batch description is not a mapping")
-    return result
+    return Layout(meta, tuple(reader.tensors), template, reader.end)
+
+
+class Decoder:
+    """Decodes the payloads of one stream of messages (a channel's).
+
+    A payload whose description is byte for byte the last one's reuses that description's
+    :class:`Layout`: the checks that depend on the payload itself (its tensor, its size) run
+    every time, so a payload is accepted exactly when a full decode accepts it.
+    """
+
+    def __init__(self) -> None:
+        self._layout: Layout | None = None
+
+    def unpack(self, payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> dict[str, Any]:
+        """See :func:`unpack`."""
+        if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+            raise WireError(
+                f"payload must be a contiguous 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}"
+            )
+        if payload.storage_offset() % ALIGN:
+            raise WireError(
+                f"payload starts at byte {payload.storage_offset()} of its storage, not on a {ALIGN}-byte boundary"
+            )
+        size = payload.numel()
+        if not 0 <= meta_nbytes <= min(size, MAX_META_BYTES):
+            raise WireError(f"meta size {meta_nbytes} does not fit a payload of {size} bytes")
+        if meta is not None and meta.numel() < meta_nbytes:
+            raise WireError(f"description of {meta.numel()} bytes is shorter than the {meta_nbytes} announced")
+        described = (payload if meta is None else meta)[:meta_nbytes]
+        raw = described.cpu().numpy().tobytes()
+        layout = self._layout
+        if layout is None or layout.end > size or layout.meta != raw:
+            layout = self._layout = describe(raw, size)
+        return layout.batch(layout.views(payload))
+
+
+def unpack(payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> dict[str, Any]:
+    """Decode a payload; tensors are views into ``payload``. Raises :class:`WireError`.
+
+    ``meta``: the description (uint8, host), when it travelled apart from the tensor bytes
+    (the device transport); ``payload``'s first ``meta_nbytes`` bytes are then not read, so a
+    GPU payload is decoded without a copy to the host.
+    """
+    return Decoder().unpack(payload, meta_nbytes, meta)

@@ -134,7 +134,7 @@ scalars = (
     | st.integers(-(2**80), 2**80)
     | floats
     | st.text(max_size=8)
-    | st.sampled_from(["", "ünïcödé", "日本語", "\U0001F600", "\x00", "\ud800", "a.b[0]"])
+    | st.sampled_from(["", "ünïcödé", "日本語", "\U0001f600", "\x00", "\ud800", "a.b[0]"])
 )
 
 
@@ -192,7 +192,7 @@ def test_roundtrip_plain_values_exact():
         "inf": math.inf,
         "ninf": -math.inf,
         "nzero": -0.0,
-        "s": "ünï\U0001F600\x00",
+        "s": "ünï\U0001f600\x00",
         "l": [1, [2.5, ["x", None]], (3, 4)],
     }
     out = roundtrip(batch)
@@ -288,7 +288,9 @@ def test_tensor_offsets_aligned_and_disjoint(batch):
 
 
 def test_plan_offsets_exact():
-    p = wire.plan({"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(65, dtype=torch.uint8), "c": torch.zeros(0)})
+    p = wire.plan(
+        {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(65, dtype=torch.uint8), "c": torch.zeros(0)}
+    )
     start = -(-len(p.meta) // ALIGN) * ALIGN
     assert [o for o, _ in p.tensors] == [start, start + 64, start + 192]
     assert p.nbytes == start + 192
@@ -350,7 +352,7 @@ def test_header_decode_rejects(over, cap, match):
     [
         _words().to(torch.int32),
         _words().to(torch.float64),
-        _words()[:HEADER_WORDS - 1],
+        _words()[: HEADER_WORDS - 1],
         torch.cat([_words(), torch.zeros(1, dtype=torch.int64)]),
         torch.empty(0, dtype=torch.int64),
     ],
@@ -365,7 +367,9 @@ def test_header_decode_rejects_bad_words_tensor(words):
 
 
 def _valid_payload():
-    return wire.pack({"ids": torch.arange(6).view(2, 3), "m": {"x": [1.5, "s", None], "f": torch.ones(3, dtype=torch.float16)}})
+    return wire.pack(
+        {"ids": torch.arange(6).view(2, 3), "m": {"x": [1.5, "s", None], "f": torch.ones(3, dtype=torch.float16)}}
+    )
 
 
 @FUZZ
@@ -727,3 +731,135 @@ def test_pack_and_unpack_hold_no_reference_cycles():
         assert torch.equal(out["a"], torch.arange(1000))
     finally:
         gc.enable()
+
+
+# --- reuse from one step to the next (Encoder, Decoder) ----------------------------------------
+
+
+def _outcome(decode):
+    """What a decode gives: ``("error", message)`` for a WireError, else ``("ok", batch)``."""
+    try:
+        return "ok", decode()
+    except WireError as e:
+        return "error", str(e)
+
+
+def _step_batch(step: int, length: int = 6) -> dict:
+    return {"ids": torch.arange(length) + step, "m": {"f": torch.full((2,), float(step)), "v": [step, "x"]}}
+
+
+def test_decoder_reuses_a_repeated_description_and_builds_a_fresh_batch():
+    decoder = wire.Decoder()
+    buf0, meta_nbytes = wire.pack(_step_batch(0))
+    first = decoder.unpack(buf0, meta_nbytes)
+    layout = decoder._layout
+    buf1, _ = wire.pack({**_step_batch(0), "ids": torch.arange(6) + 7})  # same description, other values
+    second = decoder.unpack(buf1, meta_nbytes)
+    assert decoder._layout is layout  # nothing decoded again
+    assert second["ids"].tolist() == list(range(7, 13)) and first["ids"].tolist() == list(range(6))
+    assert second["ids"].untyped_storage().data_ptr() == buf1.untyped_storage().data_ptr()
+    assert second["m"]["v"] == [0, "x"] and second["m"]["v"] is not first["m"]["v"]  # lists are new
+    buf2, meta2 = wire.pack(_step_batch(2))  # another description: decoded again
+    assert decoder.unpack(buf2, meta2)["m"]["v"] == [2, "x"] and decoder._layout is not layout
+
+
+def test_a_cached_description_does_not_accept_a_payload_too_short_for_it():
+    decoder = wire.Decoder()
+    buf, meta_nbytes = wire.pack({"a": torch.arange(64, dtype=torch.int64)})
+    decoder.unpack(buf, meta_nbytes)
+    with pytest.raises(WireError, match="overruns"):
+        decoder.unpack(buf[:-8].clone(), meta_nbytes)
+
+
+@FUZZ
+@given(st.data())
+def test_a_warm_decoder_accepts_exactly_what_a_full_decode_accepts(data):
+    """After a valid payload, a decoder sees a corrupted one: it raises the error a fresh decode
+    raises, or gives the batch a fresh decode gives, at the same addresses."""
+    buf, meta_nbytes = _valid_payload()
+    decoder = wire.Decoder()
+    decoder.unpack(buf, meta_nbytes)
+    hostile = buf.clone()
+    for _ in range(data.draw(st.integers(0, 4))):  # a few bytes anywhere, the description included
+        hostile[data.draw(st.integers(0, buf.numel() - 1))] = data.draw(st.integers(0, 255))
+    start = data.draw(st.sampled_from([0, 0, 0, 1, ALIGN]))  # off the alignment, or one line on
+    cut = data.draw(st.integers(start, buf.numel()))
+    payload = hostile[start:cut]
+    m = data.draw(st.just(meta_nbytes) | st.integers(-2, buf.numel() + 2))
+    if data.draw(st.booleans()):
+        payload = payload.to(torch.int8) if data.draw(st.booleans()) else payload[::2]
+    warm = _outcome(lambda: decoder.unpack(payload, m))
+    full = _outcome(lambda: wire.unpack(payload, m))
+    assert warm[0] == full[0], (warm, full)
+    if warm[0] == "error":
+        assert warm[1] == full[1]
+    else:
+        assert_same(warm[1], full[1])
+        assert [t.data_ptr() for t in _tensors_in(warm[1])] == [t.data_ptr() for t in _tensors_in(full[1])]
+
+
+@FAST
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=6), batches(2))
+def test_an_encoder_encodes_every_batch_as_plan_does(choices, other):
+    """A stream of batches that repeat a description, change it, and come back: each is planned
+    exactly as a fresh plan() plans it, and a repeated tensor-only description is not encoded
+    again."""
+    stream = [[_step_batch(0), {"ids": torch.arange(6)}, other, {"ids": torch.arange(6) * 2}][c] for c in choices]
+    encoder = wire.Encoder()
+    previous = None
+    for batch in stream:
+        p, fresh = encoder.plan(batch), wire.plan(batch)
+        assert p.meta == fresh.meta and p.nbytes == fresh.nbytes
+        assert [o for o, _ in p.tensors] == [o for o, _ in fresh.tensors]
+        if previous is not None and previous[0] == p.meta and set(previous[1]) == {"ids"} and set(batch) == {"ids"}:
+            assert p.layout is previous[2]
+        out = torch.zeros(p.nbytes, dtype=torch.uint8)
+        wire.write(p, out)
+        assert_same(wire.unpack(out, len(p.meta)), batch)
+        previous = (p.meta, list(batch), p.layout)
+
+
+def test_an_encoder_tells_apart_values_that_compare_equal():
+    """1 == True == 1.0 and 0.0 == -0.0 in Python; their encodings differ, and so must what arrives."""
+    encoder = wire.Encoder()
+
+    class Key(str):
+        pass
+
+    for batch in (
+        {"v": 1},
+        {"v": True},
+        {"v": 1.0},
+        {"v": 0.0},
+        {"v": -0.0},
+        {"v": (1, 2)},
+        {"v": [1, 2]},
+        {Key("v"): torch.ones(1)},
+        {"v": torch.ones(1)},
+        {"v": torch.ones(1, dtype=torch.float64)},
+    ):
+        p = encoder.plan(batch)
+        assert p.meta == wire.plan(batch).meta
+        out = torch.zeros(p.nbytes, dtype=torch.uint8)
+        wire.write(p, out)
+        assert_same(wire.unpack(out, len(p.meta)), {str(k): v for k, v in batch.items()})
+
+
+def test_write_returns_the_views_a_decode_gives():
+    batch = {"a": torch.arange(5), "b": {"c": torch.ones(2, 2, dtype=torch.bfloat16)}, "d": [1]}
+    p = wire.plan(batch)
+    out = torch.zeros(p.nbytes, dtype=torch.uint8)
+    views = wire.write(p, out)
+    decoded = wire.unpack(out, len(p.meta))
+    assert [v.data_ptr() for v in views] == [t.data_ptr() for t in _tensors_in(decoded)]
+    assert_same(p.layout.batch(views), decoded)
+
+
+def test_header_read_from_a_message():
+    out = torch.empty(wire.HEADER_BYTES + 64, dtype=torch.uint8)
+    p = wire.plan({})
+    wire.write_message(Kind.END, 7, p, out)
+    assert Header.read(out, 1 << 20) == Header(Kind.END, 7, p.nbytes, len(p.meta))
+    out[:8] = 0
+    with pytest.raises(WireError, match="magic"):
+        Header.read(out, 1 << 20)
