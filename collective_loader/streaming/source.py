@@ -229,11 +229,12 @@ class LeaderStream:
         self._leaders = leaders
         self._taken = 0
         self._epoch_state: dict[str, Any] | None = None
+        self._batches: Any = None  # the DataLoader iterator of the current (or last) epoch
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
         assert self.loader is not None, "LeaderStream used after close()"
         self._taken, self._epoch_state = 0, None
-        batches = iter(self.loader)
+        batches = self._batches = iter(self.loader)
         try:
             if self.rows is not None:
                 yield from self.rows.rows(batches, self._first_step)
@@ -343,7 +344,10 @@ class LeaderStream:
         """
         if self.dataset is None:
             return
-        stop_workers(getattr(self.loader, "_iterator", None), self.loader)  # persistent_workers
+        # the last epoch's workers: a packing leader's epoch can end at another leader's last step,
+        # leaving its DataLoader iterator (and workers) unfinished; and persistent_workers
+        stop_workers(self._batches, self.loader)
+        stop_workers(getattr(self.loader, "_iterator", None), self.loader)
         dataset, self.dataset, self.loader = self.dataset, None, None
         if self._leaders is not None:
             try:
