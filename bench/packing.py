@@ -63,6 +63,13 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MESH = (("dp", "pp", "tp"), (2, 2, 2))
 REPLICATION = 4  # pp x tp
 SEQ_LEN, ROWS, DOCS_PER_BATCH = 1024, 4, 16
+NOTE = (
+    "Tokens trained: with collective_loader the replicas step together and the epoch ends where the first leader "
+    "runs out of rows (the other leader's remaining rows are not trained in that epoch); with every rank tokenizing, "
+    "each "
+    "replica runs to its own end (ranks of a DP group would then disagree on the step count, which is why "
+    "TorchTitan loops its text datasets)."
+)
 REPEAT = 4  # the full run reads the corpus 4 times over (in one shuffled epoch), so that tokenizing outweighs start-up
 # the ranks are spawned (launch.run), and a spawned process's DataLoader workers are spawned too by
 # default: each imports torch, streaming and transformers again (about 5 CPU s each, measured here);
@@ -248,6 +255,8 @@ def report(s: Settings, runs: list[dict[str, Any]], seconds: float, load: tuple[
         )
     leaders = list(MeshLayout.build(MESH[0], MESH[1], range(8)).leaders())
     lines += [
+        "",
+        NOTE,
         "",
         f"CPU seconds per rank (first round; ranks {leaders} lead, with their DataLoader workers):",
         "",

@@ -71,6 +71,8 @@ class TokenColumn:
                 "TokenColumn(column=...) naming the token column, or TextColumn(column=..., tokenizer=...) for text"
             )
         value = sample[self.column]
+        if isinstance(value, (list, tuple)):  # ids in a plain list (not an MDS encoding, but a collate's input)
+            value = np.asarray(value) if value else np.zeros(0, np.int64)
         if isinstance(value, (bytes, bytearray, memoryview)):
             dtype = np.dtype(self.dtype or "int64")
             if len(value) % dtype.itemsize:

@@ -96,7 +96,7 @@ def build_source(mesh, data, name, seq_len, rows, workers, layout=None, at_end="
         packing=Packing(seq_len, at_end, BOUNDARIES),
         documents_per_batch=4 // mesh["dp"].size(),
         num_workers=workers,
-        # forked workers of these big test processes were ~10x slower (see the README)
+        # these ranks are spawned, so their workers would be too, each importing torch and streaming again
         dataloader_kwargs={"multiprocessing_context": "forkserver"} if workers else None,
     )
 
@@ -197,7 +197,7 @@ def equal_rows(a, b):
     "name,seq_len,workers",
     [
         ("bytes-short", 16, 0),  # LLM Foundry's tokens as bytes (token_encoding_type uint16)
-        ("bytes-long", 24, 2),  # documents longer than a row, DataLoader workers
+        pytest.param("bytes-long", 24, 2, marks=pytest.mark.slow),  # documents longer than a row, DataLoader workers
         ("ndarray", 12, 0),  # tokens as ndarray:uint16
         ("text", 16, 2),  # text tokenized by the workers with a BPE tokenizer (a tokenizer.json path)
     ],
@@ -254,7 +254,7 @@ def test_resume_gives_the_uninterrupted_rows(worlds, data, name, seq_len, worker
         assert equal_rows(tail, full[stop:]), rank
 
 
-@pytest.mark.parametrize("name,stop", [("bytes-short", 3), ("bytes-long", 6)])
+@pytest.mark.parametrize("name,stop", [pytest.param("bytes-short", 3, marks=pytest.mark.slow), ("bytes-long", 6)])
 def test_resume_on_fewer_replicas_trains_every_token_once(worlds, data, name, stop):
     world = worlds.get(2)
     saved = world.run(save_after, data, name, (2, 1), 16, 2, stop, timeout=240)
@@ -289,9 +289,13 @@ def test_resume_on_more_replicas_trains_every_token_once(worlds, data, workers):
     "name,layout,workers,says",
     [
         ("bytes-short", TokenColumn(), 0, "not a whole number of int64 token ids"),  # uint16 bytes read as int64
-        ("text", TokenColumn(), 2, "the samples have no column 'tokens' (they hold: text)"),
+        pytest.param(
+            "text", TokenColumn(), 2, "the samples have no column 'tokens' (they hold: text)", marks=pytest.mark.slow
+        ),
         ("text", TokenColumn("text"), 0, "holds text (a str); pass TextColumn(column='text'"),
-        ("ndarray", "tokenizer", 0, "the samples have no column 'text' (they hold: tokens)"),
+        pytest.param(
+            "ndarray", "tokenizer", 0, "the samples have no column 'text' (they hold: tokens)", marks=pytest.mark.slow
+        ),
         ("bytes-short", "tokenizer-on-tokens", 2, "bytes, not text; for token ids pass TokenColumn(column='tokens'"),
     ],
 )

@@ -40,7 +40,7 @@ def run(packing, batch_rows, docs, dp=1, rank=0, per_batch=4, start=0, entries=N
     return out, cursors, rows
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(lengths, seq_lens, st.integers(1, 4), st.integers(1, 5), st.sampled_from(["pad", "drop"]))
 def test_every_token_in_exactly_one_row_in_order(lens, seq_len, batch_rows, per_batch, at_end):
     docs = numbered_documents(lens, STRIDE)
@@ -63,7 +63,7 @@ def test_every_token_in_exactly_one_row_in_order(lens, seq_len, batch_rows, per_
     assert rows.stats["tokens"] == len(got)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(lengths, seq_lens, st.integers(1, 3))
 def test_boundaries_agree_with_the_documents_and_each_other(lens, seq_len, batch_rows):
     docs = numbered_documents(lens, STRIDE)
@@ -120,7 +120,7 @@ def hand_over(runs, stop):
     return first, combine(parts, runs[0][2].resumed, first)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(lengths, seq_lens, st.integers(1, 3), st.sampled_from([1, 2, 4]), st.data())
 def test_resume_with_the_same_leaders_gives_the_same_rows(lens, seq_len, batch_rows, dp, data):
     per_batch = 2
@@ -139,7 +139,7 @@ def test_resume_with_the_same_leaders_gives_the_same_rows(lens, seq_len, batch_r
         assert len(tail) == len(want) and all(torch.equal(a[k], b[k]) for a, b in zip(tail, want) for k in a), r
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(lengths, seq_lens, st.integers(1, 3), st.sampled_from([(2, 1), (1, 2), (2, 4), (4, 2), (1, 4)]), st.data())
 def test_resume_with_another_dp_degree_trains_every_token_once(lens, seq_len, batch_rows, dps, data):
     global_batch = 4
@@ -166,7 +166,7 @@ def test_resume_with_another_dp_degree_trains_every_token_once(lens, seq_len, ba
     assert got == every, f"lost {sum((every - got).values())} tokens"
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(lengths, seq_lens, st.sampled_from([(2, 1, 4), (4, 2, 1), (1, 4, 2), (2, 2, 2)]), st.data())
 def test_two_resumes_in_a_row_train_every_token_once(lens, seq_len, dps, data):
     """Interrupted, resumed on another DP degree, interrupted again before every leader has passed
