@@ -32,10 +32,11 @@ from collective_loader.delivery.agreement import (
     run_phase,
 )
 from collective_loader.delivery.epoch import Epoch
+from collective_loader.delivery.protocol import error_of
 from collective_loader.delivery.settings import Delivery, Settings, config_text
 from collective_loader.delivery.transport import Transport, build_groups, mesh_device
 from collective_loader.delivery.workers import stop_workers
-from collective_loader.errors import ConfigMismatchError, ConstructionError, LeaderError
+from collective_loader.errors import BatchError, ConfigMismatchError, ConstructionError, LeaderError
 from collective_loader.plan import wire
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Place, Placement
 from collective_loader.plan.routing import Routing, SequenceSplit
@@ -276,10 +277,18 @@ class CollectiveLoader:
         }
         channel = self.settings.groups.replica
         if self.is_leader:
-            channel.send_plan(Kind.DATA, steps, wire.plan(state))
+            try:
+                plan = wire.plan(state)
+            except BatchError as e:  # the replica waits for this message: send it the error instead
+                text = f"leader rank {self.place.rank} cannot send its loader state to its replica: {e}"
+                channel.send_plan(Kind.BATCH_ERROR, steps, wire.plan({"message": text}))
+                raise BatchError(text) from e
+            channel.send_plan(Kind.DATA, steps, plan)
             return state
         header, payload = channel.recv(self.settings.max_batch_bytes)
         leader_state = wire.unpack(payload, header.meta_nbytes)
+        if header.kind != Kind.DATA:
+            raise error_of(header.kind, str(leader_state.get("message")))
         if leader_state["steps"] != state["steps"] or leader_state["epoch"] != state["epoch"]:
             raise RuntimeError(
                 f"rank {self.place.rank} asked for the loader state at epoch {state['epoch']} step {state['steps']}, "

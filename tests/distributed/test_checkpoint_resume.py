@@ -8,7 +8,7 @@ import pytest
 import ranks
 import torch.distributed as dist
 
-from collective_loader import CollectiveLoader, mesh_place
+from collective_loader import BatchError, CollectiveLoader, mesh_place
 
 MESH = (("pp", "dp", "tp"), (2, 2, 2))
 LEADERS = (0, 6)  # the default placement: replica 0's on the first stage, replica 1's on the last
@@ -73,6 +73,40 @@ def dp_mismatch():
     except ValueError as e:
         return str(e)
     return None
+
+
+class BytesStateSource:
+    """Batches whose ``state_dict`` holds bytes, which the wire format does not carry."""
+
+    def __iter__(self):
+        yield from ranks.id_batches(mesh_place(self.mesh, dist.get_rank()).dp_rank, 2, 20, 2, 8)
+
+    def state_dict(self) -> dict:
+        return {"blob": b"\x00\x01"}
+
+
+def unsendable_state():
+    """Every rank asks for the state after one step; the leader cannot encode its source's."""
+    mesh = ranks.make_mesh(("pp", "dp", "tp"), (2, 2, 2))
+    source = BytesStateSource()
+    source.mesh = mesh
+    loader = CollectiveLoader(source, mesh, **ranks.KEYS, timeout=30)
+    it = iter(loader)
+    next(it)
+    try:
+        loader.state_dict()
+    except BatchError as e:
+        return str(e)
+    finally:
+        loader.close()
+    return None
+
+
+def test_a_state_the_leader_cannot_send_fails_on_every_rank_of_its_replica(world):
+    """Before, the leader raised and the rest of its replica waited for its message until the timeout."""
+    for message in world.run(unsendable_state, timeout=60):
+        assert message is not None and "cannot send its loader state to its replica" in message, message
+        assert "'source.blob'" in message or "blob" in message, message
 
 
 @pytest.fixture
