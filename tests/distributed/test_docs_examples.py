@@ -7,7 +7,8 @@
 * Every ``python -m collective_loader demo ...`` (or ``torchrun --standalone --nproc-per-node N -m
   collective_loader demo ...``) shown in a ```bash block runs to "all checks passed". A demo
   command this test cannot run as shown (another node, a ``--data`` directory, a variable) fails.
-  Runs of more than 8 ranks are ``slow``.
+  Runs of more than 8 ranks are ``slow``. Those that ``test_demo.py`` runs with checks of its own
+  (``test_demo.RUN_HERE``) are not run twice.
 
 Each program runs in a session of its own with a timeout; on a miss its process group gets
 SIGTERM (torchrun then stops its ranks, which it starts in sessions of their own), then SIGKILL.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import test_demo
 
 from collective_loader.demo import parse_mesh
 from collective_loader.plan.mesh import MeshLayout
@@ -230,8 +232,12 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
 
 
 def _demo_params() -> list:
+    """The shown demo commands test_demo does not run itself (it runs those in RUN_HERE, with
+    stronger checks)."""
     params = []
     for demo in demos():
+        if isinstance(demo, Demo) and demo.argv[1:] in test_demo.RUN_HERE:
+            continue
         if isinstance(demo, str):
             params.append(pytest.param(demo, id=demo.split(": ", 1)[0]))
         else:
@@ -247,6 +253,12 @@ def test_shown_demo_command_passes(demo: Demo | str, tmp_path: Path) -> None:
         pytest.fail(demo)
     code, out = run(demo.argv, tmp_path, DEMO_TIMEOUT)
     assert code == 0 and "all checks passed" in out, f"{demo.where}: {demo.shown} exited {code}:\n{out[-6000:]}"
+
+
+def test_test_demo_runs_only_commands_the_docs_show() -> None:
+    """test_demo.RUN_HERE stands in for running those shown commands here: each must still be shown."""
+    shown = {d.argv[1:] for d in demos() if isinstance(d, Demo)}
+    assert set(test_demo.RUN_HERE) <= shown, sorted(set(test_demo.RUN_HERE) - shown)
 
 
 def test_the_docs_show_a_demo_whose_leader_sits_on_a_middle_stage() -> None:
