@@ -64,16 +64,27 @@ DELIVERY_MESH = (("dp", "tp"), (1, 4))  # one leader (rank 0), three receivers
 LEADER = 0
 SCALE_MESHES = {2: (1, 1, 2), 4: (2, 1, 2), 8: (2, 2, 2), 16: (4, 2, 2)}  # world -> (pp, dp, tp)
 LAYOUT_MESHES = (  # (pp, dp, cp, tp)
-    (1, 1, 1, 8), (3, 2, 2, 2), (1, 8, 1, 8), (2, 4, 1, 8), (4, 8, 2, 4), (8, 32, 2, 4), (16, 64, 2, 4),
+    (1, 1, 1, 8),
+    (3, 2, 2, 2),
+    (1, 8, 1, 8),
+    (2, 4, 1, 8),
+    (4, 8, 2, 4),
+    (8, 32, 2, 4),
+    (16, 64, 2, 4),
     (16, 128, 2, 4),
 )
 LOADERS = {  # variant -> CollectiveLoader options
-    "loader_p1": {"prefetch": 1}, "loader_default": {}, "loader_device": {"transport": "device"},
+    "loader_p1": {"prefetch": 1},
+    "loader_default": {},
+    "loader_device": {"transport": "device"},
 }
 LABELS = {
-    "loader_p1": "loader, prefetch=1", "loader_default": "loader, default prefetch",
-    "loader_device": "loader, transport=device", "raw": "raw broadcast",
-    "raw_pair": "raw header + payload", "per_tensor": "per-tensor pattern",
+    "loader_p1": "loader, prefetch=1",
+    "loader_default": "loader, default prefetch",
+    "loader_device": "loader, transport=device",
+    "raw": "raw broadcast",
+    "raw_pair": "raw header + payload",
+    "per_tensor": "per-tensor pattern",
 }
 
 
@@ -98,11 +109,20 @@ class Settings:
 FULL = Settings(
     payloads=(KIB, 16 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB),
     overlap_payloads=(16 * KIB, MIB, 16 * MIB),
-    world_sizes=(2, 4, 8, 16), rounds=3, max_steps=100, min_steps=8, world_timeout=1800,
+    world_sizes=(2, 4, 8, 16),
+    rounds=3,
+    max_steps=100,
+    min_steps=8,
+    world_timeout=1800,
 )
 QUICK = Settings(
-    payloads=(KIB, MIB), overlap_payloads=(KIB,), world_sizes=(2,),
-    rounds=2, max_steps=12, min_steps=6, world_timeout=600,
+    payloads=(KIB, MIB),
+    overlap_payloads=(KIB,),
+    world_sizes=(2,),
+    rounds=2,
+    max_steps=12,
+    min_steps=6,
+    world_timeout=600,
 )
 
 
@@ -244,8 +264,11 @@ def in_rounds(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
-    return {"p50": float(np.percentile(seconds, 50)), "p95": float(np.percentile(seconds, 95)),
-            "mean": float(np.mean(seconds))}
+    return {
+        "p50": float(np.percentile(seconds, 50)),
+        "p95": float(np.percentile(seconds, 95)),
+        "mean": float(np.mean(seconds)),
+    }
 
 
 def stats_per_step(loader: CollectiveLoader, source: Repeat) -> dict[str, Any]:
@@ -323,8 +346,14 @@ def delivery_case(s: Settings, mesh: Any, group: dist.ProcessGroup, nbytes: int,
     }
     runs["profile"] = lambda: profile_epoch(batch, group, max(s.min_steps, n // 2))
     record: dict[str, Any] = {
-        "kind": "delivery", "payload": nbytes, "n_tensors": n_tensors, "tensor_bytes": tensor_bytes(batch),
-        "wire_bytes": wire.plan(batch).nbytes, "steps": n, "stats": stats, "rounds": in_rounds(runs, s.rounds),
+        "kind": "delivery",
+        "payload": nbytes,
+        "n_tensors": n_tensors,
+        "tensor_bytes": tensor_bytes(batch),
+        "wire_bytes": wire.plan(batch).nbytes,
+        "steps": n,
+        "stats": stats,
+        "rounds": in_rounds(runs, s.rounds),
     }
     if n_tensors == len(MIXED) and nbytes in s.overlap_payloads:
         record["overlap"] = overlap(s, epochs, record["rounds"]["loader_p1"], nbytes)
@@ -438,7 +467,11 @@ def layout_row(pp: int, dp: int, cp: int, tp: int) -> dict[str, Any]:
     layout = MeshLayout.build(("pp", "dp", "cp", "tp"), (pp, dp, cp, tp), range(pp * dp * cp * tp))
     per_group = {name: 1 for name, _ in layout.replica_groups()[0].all()}
     return {
-        "pp": pp, "dp": dp, "cp": cp, "tp": tp, "gpus": pp * dp * cp * tp,
+        "pp": pp,
+        "dp": dp,
+        "cp": cp,
+        "tp": tp,
+        "gpus": pp * dp * cp * tp,
         "groups": group_count(layout.dp_size, layout.pp_size),
         "leader": int(len(layout.leaders()) > 1) + sum(per_group.values()),
         "receiver": per_group,
@@ -478,7 +511,8 @@ def delivery_tables(rows: list[dict[str, Any]]) -> list[str]:
         dtypes = ", ".join(str(d).removeprefix("torch.") for d in MIXED[:n_tensors])
         mine = [r for r in rows if r["n_tensors"] == n_tensors]
         lines += [
-            f"### {n_tensors} tensor{'s' if n_tensors > 1 else ''} ({dtypes}): vs the limit", "",
+            f"### {n_tensors} tensor{'s' if n_tensors > 1 else ''} ({dtypes}): vs the limit",
+            "",
             "| payload | wire bytes | steps | loader p=1 | loader default | loader device | raw broadcast | "
             "raw header + payload | p=1 / raw | default / raw | device / raw | p=1 / raw header + payload | "
             "collectives per step (stats) |",
@@ -494,8 +528,10 @@ def delivery_tables(rows: list[dict[str, Any]]) -> list[str]:
                 f"{ratio(rd, 'loader_p1', 'raw_pair'):.2f} | {per_role(r['stats']['loader_p1'])} |"
             )
         lines += [
-            "", f"### {n_tensors} tensor{'s' if n_tensors > 1 else ''}: vs the per-tensor pattern "
-            f"({n_tensors + 1} collectives per step)", "",
+            "",
+            f"### {n_tensors} tensor{'s' if n_tensors > 1 else ''}: vs the per-tensor pattern "
+            f"({n_tensors + 1} collectives per step)",
+            "",
             "| payload | per-tensor | loader p=1 | loader default | per-tensor / p=1 | per-tensor / default |",
             "|---|---|---|---|---|---|",
         ]
@@ -552,7 +588,9 @@ def overlap_table(rows: list[dict[str, Any]]) -> list[str]:
         sync_mean = statistics.median(summary(x)["mean"] for x in r["rounds"]["loader_p1"])
         for name, frac in overlap_summary(r).items():
             variant, factor = name.split(" x")
-            prefetch = {"loader_p1": "1", "loader_default": "default (2)", "loader_device": "default (2), device"}[variant]
+            prefetch = {"loader_p1": "1", "loader_default": "default (2)", "loader_device": "default (2), device"}[
+                variant
+            ]
             lines.append(
                 f"| {size(r['payload'])} | {sync * 1e3:.3f} ms | {sync_mean * 1e3:.3f} ms | "
                 f"{factor} x sync = {int(factor) * sync * 1e3:.3f} ms | {prefetch} | "
@@ -630,19 +668,31 @@ def targets(delivery: list[dict[str, Any]]) -> list[str]:
 
     waits = [
         (f"{size(r['payload'])} {name}", frac["mean"])
-        for r in delivery if "overlap" in r
+        for r in delivery
+        if "overlap" in r
         for name, frac in overlap_summary(r).items()
     ]
     return [
-        line("loader (p=1) <= 1.15x raw broadcast at >= 1 MiB",
-             ratios(lambda r: r["payload"] >= MIB, "loader_p1", "raw"), lambda v: v <= 1.15),
-        line("loader (p=1) <= 2x raw broadcast at 1 KiB",
-             ratios(lambda r: r["payload"] == KIB, "loader_p1", "raw"), lambda v: v <= 2),
-        line("per-tensor / loader (p=1) >= 3 for 6 small tensors (<= 16 KiB)",
-             ratios(lambda r: r["n_tensors"] == 6 and r["payload"] <= 16 * KIB, "per_tensor", "loader_p1"),
-             lambda v: v >= 3),
-        line("exposed wait (mean) <= 10% of synchronous delivery when compute >= delivery time", waits,
-             lambda v: v <= 0.10),
+        line(
+            "loader (p=1) <= 1.15x raw broadcast at >= 1 MiB",
+            ratios(lambda r: r["payload"] >= MIB, "loader_p1", "raw"),
+            lambda v: v <= 1.15,
+        ),
+        line(
+            "loader (p=1) <= 2x raw broadcast at 1 KiB",
+            ratios(lambda r: r["payload"] == KIB, "loader_p1", "raw"),
+            lambda v: v <= 2,
+        ),
+        line(
+            "per-tensor / loader (p=1) >= 3 for 6 small tensors (<= 16 KiB)",
+            ratios(lambda r: r["n_tensors"] == 6 and r["payload"] <= 16 * KIB, "per_tensor", "loader_p1"),
+            lambda v: v >= 3,
+        ),
+        line(
+            "exposed wait (mean) <= 10% of synchronous delivery when compute >= delivery time",
+            waits,
+            lambda v: v <= 0.10,
+        ),
         "",
     ]
 
@@ -810,9 +860,14 @@ def main(argv: list[str] | None = None) -> int:
             records = [json.loads(line) for line in f]
     results = {
         "meta": {
-            "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "torch": torch.__version__,
-            "python": platform.python_version(), "command": " ".join(["python bench/delivery.py", *sys.argv[1:]]),
-            "seconds": time.time() - start, "rounds": s.rounds, "skip": SKIP,
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "machine": machine(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "command": " ".join(["python bench/delivery.py", *sys.argv[1:]]),
+            "seconds": time.time() - start,
+            "rounds": s.rounds,
+            "skip": SKIP,
             "load_before": " ".join(f"{x:.1f}" for x in load_before),
             "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
             "settings": dataclasses.asdict(s) | {"out": None},

@@ -154,8 +154,12 @@ def where_of(mesh: DeviceMesh) -> Where:
     size = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
     pp = size.get("pp", 1)
     return Where(
-        dp_rank=coord.get("dp", 0), dp_size=size.get("dp", 1), first=coord.get("pp", 0) == 0,
-        last=coord.get("pp", 0) == pp - 1, cp_size=size.get("cp", 1), cp_index=coord.get("cp", 0),
+        dp_rank=coord.get("dp", 0),
+        dp_size=size.get("dp", 1),
+        first=coord.get("pp", 0) == 0,
+        last=coord.get("pp", 0) == pp - 1,
+        cp_size=size.get("cp", 1),
+        cp_index=coord.get("cp", 0),
     )
 
 
@@ -324,7 +328,12 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
     mesh = init_device_mesh(s.device, case.shape, mesh_dim_names=case.dims)
     where = where_of(mesh)
     loader = CollectiveLoader(
-        Source(where, s), mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, transport=case.transport,
+        Source(where, s),
+        mesh,
+        inputs=INPUTS,
+        labels=LABELS,
+        seq_dims=SEQ_DIMS,
+        transport=case.transport,
         timeout=LOADER_TIMEOUT,
     )
     try:
@@ -429,7 +438,8 @@ def delivery_verdict(result: Result) -> Verdict:
     s = result.settings
     mesh = ",".join(f"{d}={n}" for d, n in zip(result.case.dims, result.case.shape))
     return verdict(
-        result.case.name, result.problems(),
+        result.case.name,
+        result.problems(),
         f"{mesh}, transport={result.case.transport}: {result.size} rank{'s' * (result.size > 1)} x {s.steps} steps, "
         f"every tensor bit-exact on {target_device(s)}, kernel sums on arrival match",
     )
@@ -468,7 +478,8 @@ def wait_verdict(result: Result) -> Verdict:
     measured = f"median wait with compute {wait_ms:.2f} ms, synchronous {sync_ms:.2f} ms"
     if not problems and not overlap_possible(result.size):
         return Verdict(
-            "exposed_wait", "not applicable",
+            "exposed_wait",
+            "not applicable",
             f"{measured}; {os.cpu_count()} cores for {result.size} ranks: a transfer thread has no core of its own "
             "while the compute runs, so no overlap is expected (batch sums matched)",
         )
@@ -486,10 +497,15 @@ def device_name(s: Settings) -> str:
 def report(s: Settings, verdicts: list[Verdict], timed: Result, argv: list[str]) -> str:
     today = datetime.date.today().isoformat()
     lines = [
-        f"# CollectiveLoader device check, {today}", "",
-        f"device: {device_name(s)}", f"command: `bash bench/gpu_check.sh {' '.join(argv)}`", "",
-        "| check | verdict | detail |", "|---|---|---|",
-        *(f"| {v.name} | {v.status} | {v.detail.replace('|', '/')} |" for v in verdicts), "",
+        f"# CollectiveLoader device check, {today}",
+        "",
+        f"device: {device_name(s)}",
+        f"command: `bash bench/gpu_check.sh {' '.join(argv)}`",
+        "",
+        "| check | verdict | detail |",
+        "|---|---|---|",
+        *(f"| {v.name} | {v.status} | {v.detail.replace('|', '/')} |" for v in verdicts),
+        "",
     ]
     if all(r.get("timing") for r in timed.records.values()) and len(timed.records) == timed.size:
         payload = sum(t.nbytes for t in sample_batch(0, 0, 1, s).values()) / 2**20
@@ -501,9 +517,14 @@ def report(s: Settings, verdicts: list[Verdict], timed: Result, argv: list[str])
                 f"compute: {reps} matmuls of {s.matmul}x{s.matmul} float32 per step, then a device sync):"
             ),
             "",
-            "| per step | median ms | p90 ms |", "|---|---|---|",
+            "| per step | median ms | p90 ms |",
+            "|---|---|---|",
         ]
-        labels = {"sync": "next(), no compute (synchronous delivery)", "wait": "next(), with compute", "compute": "compute"}
+        labels = {
+            "sync": "next(), no compute (synchronous delivery)",
+            "wait": "next(), with compute",
+            "compute": "compute",
+        }
         lines += [f"| {labels[k]} | {med:.2f} | {p90:.2f} |" for k, (med, p90) in figures(timed).items()]
         lines.append("")
     lines += [f"- {v.name}: {v.status}" for v in verdicts]
@@ -521,13 +542,23 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device here; run with --cpu for the CPU flow", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as records:
-        pp_tp, dp_cp = run_world(Job((
-            Case("delivery_pp2_tp2", ("pp", "tp"), (2, 2), timed=True), Case("delivery_dp2_cp2", ("dp", "cp"), (2, 2)),
-        ), s, records))
+        pp_tp, dp_cp = run_world(
+            Job(
+                (
+                    Case("delivery_pp2_tp2", ("pp", "tp"), (2, 2), timed=True),
+                    Case("delivery_dp2_cp2", ("dp", "cp"), (2, 2)),
+                ),
+                s,
+                records,
+            )
+        )
         (alone,) = run_world(Job((Case("device_transport_1rank", ("dp",), (1,), transport="device"),), s, records))
     verdicts = [
-        delivery_verdict(pp_tp), delivery_verdict(dp_cp), sync_verdict([pp_tp, dp_cp, alone]),
-        wait_verdict(pp_tp), delivery_verdict(alone),
+        delivery_verdict(pp_tp),
+        delivery_verdict(dp_cp),
+        sync_verdict([pp_tp, dp_cp, alone]),
+        wait_verdict(pp_tp),
+        delivery_verdict(alone),
     ]
     text = report(s, verdicts, pp_tp, argv)
     os.makedirs(args.out, exist_ok=True)

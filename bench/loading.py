@@ -176,8 +176,9 @@ def drain(batches: Iterable[dict[str, Any]], start: float) -> tuple[list[int], f
 
 def epoch_collective(s: Settings, mesh: Any, where: dict[str, str], start: float) -> tuple[list[int], float]:
     source = StreamingSource(mesh, **where, batch_size=s.batch_size, collate=Collate(s.seq_len), shuffle=False)
-    loader = CollectiveLoader(source, mesh, inputs=("input_ids", "position_ids", "sample_id"),
-                              labels=("labels", "sample_id"))
+    loader = CollectiveLoader(
+        source, mesh, inputs=("input_ids", "position_ids", "sample_id"), labels=("labels", "sample_id")
+    )
     ids, first = drain(loader, start)
     loader.close()
     return ids, first
@@ -207,8 +208,13 @@ def rank_main(args: tuple[Settings, str, dict[str, str]]) -> int:
     cpu0, rss0, wall0 = cpu_seconds(), rss_bytes(), time.perf_counter()
     ids, first = (epoch_collective if variant == "collective_loader" else epoch_every_rank)(s, mesh, where, wall0)
     record = {
-        "rank": dist.get_rank(), "cpu": cpu_seconds() - cpu0, "cpu_total": cpu_seconds(),
-        "rss_start": rss0, "peak_rss": peak_rss_bytes(), "wall": time.perf_counter() - wall0, "first": first,
+        "rank": dist.get_rank(),
+        "cpu": cpu_seconds() - cpu0,
+        "cpu_total": cpu_seconds(),
+        "rss_start": rss0,
+        "peak_rss": peak_rss_bytes(),
+        "wall": time.perf_counter() - wall0,
+        "first": first,
         "ids": ids,
     }
     return save_run(s, {"variant": variant, "data": "remote" if "remote" in where else "local"}, record)
@@ -239,10 +245,16 @@ def placement_main(args: tuple[Settings, str]) -> int:
     gc.collect()
     dist.barrier()
     cpu0 = cpu_seconds()
-    source = StreamingSource(mesh, local=s.data, batch_size=s.batch_size, collate=Collate(s.seq_len), shuffle=False,
-                             placement=placement)
-    loader = CollectiveLoader(source, mesh, inputs=("input_ids", "position_ids", "sample_id"),
-                              labels=("labels", "sample_id"), placement=placement)
+    source = StreamingSource(
+        mesh, local=s.data, batch_size=s.batch_size, collate=Collate(s.seq_len), shuffle=False, placement=placement
+    )
+    loader = CollectiveLoader(
+        source,
+        mesh,
+        inputs=("input_ids", "position_ids", "sample_id"),
+        labels=("labels", "sample_id"),
+        placement=placement,
+    )
     steps = sum(1 for _ in loader)
     loader.close()
     record = {"rank": dist.get_rank(), "cpu": cpu_seconds() - cpu0, "leader": loader.is_leader, "steps": steps}
@@ -346,8 +358,15 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     for v in VARIANTS:
         m = med[v]
-        cover = ", ".join(sorted({check_coverage(r, meta["settings"]["samples"], meta["settings"]["batch_size"])
-                                  for r in runs if r["variant"] == v}))
+        cover = ", ".join(
+            sorted(
+                {
+                    check_coverage(r, meta["settings"]["samples"], meta["settings"]["batch_size"])
+                    for r in runs
+                    if r["variant"] == v
+                }
+            )
+        )
         lines.append(
             f"| {v.replace('_', ' ')} | {m['cpu']:.1f} | {m['loading_ranks_cpu']:.1f} | {m['cpu_total']:.1f} | "
             f"{m['rss_added'] / mib:.0f} MiB | {m['peak_rss'] / gib:.2f} GiB | {m['wall']:.1f} | {cover} |"
@@ -356,8 +375,13 @@ def markdown(results: dict[str, Any]) -> str:
         f"| ratio | {ratio['cpu']:.2f} | {ratio['loading_ranks_cpu']:.2f} | {ratio['cpu_total']:.2f} | "
         f"{ratio['rss_added']:.2f} | {ratio['peak_rss']:.2f} | {ratio['wall']:.2f} | |"
     )
-    lines += ["", "Per rank (first round): CPU s added / peak RSS added (MiB)", "",
-              "| variant | " + " | ".join(f"rank {i}" for i in range(8)) + " |", "|---|" + "---|" * 8]
+    lines += [
+        "",
+        "Per rank (first round): CPU s added / peak RSS added (MiB)",
+        "",
+        "| variant | " + " | ".join(f"rank {i}" for i in range(8)) + " |",
+        "|---|" + "---|" * 8,
+    ]
     for v in VARIANTS:
         first = next(r for r in runs if r["variant"] == v)
         cells = [f"{r['cpu']:.1f} / {(r['peak_rss'] - r['rss_start']) / mib:.0f}" for r in first["ranks"]]
@@ -401,8 +425,15 @@ def remote_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     ]
     for data, variant in REMOTE_CASES:
         mine = [r for r in runs if r["data"] == data and r["variant"] == variant]
-        times = [{"first": max(x["first"] for x in r["ranks"]), "wall": max(x["wall"] for x in r["ranks"]),
-                  "cpu": sum(x["cpu"] for x in r["ranks"])} | fetch_summary(r) for r in mine]
+        times = [
+            {
+                "first": max(x["first"] for x in r["ranks"]),
+                "wall": max(x["wall"] for x in r["ranks"]),
+                "cpu": sum(x["cpu"] for x in r["ranks"]),
+            }
+            | fetch_summary(r)
+            for r in mine
+        ]
         m = {k: statistics.median(t[k] for t in times) for k in times[0]}
         cover = ", ".join(sorted({check_coverage(r, settings["samples"], settings["batch_size"]) for r in mine}))
         lines.append(
@@ -410,8 +441,13 @@ def remote_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             f"{m['fetching_ranks']:.0f} | {m['leader_requests']:.0f} / {m['other_requests']:.0f} | "
             f"{m['leader_bytes'] / mib:.1f} / {m['other_bytes'] / mib:.1f} | {cover} |"
         )
-    lines += ["", "Per rank, remote data (first round): requests / MiB fetched", "",
-              "| loader | " + " | ".join(f"rank {i}" for i in range(8)) + " |", "|---|" + "---|" * 8]
+    lines += [
+        "",
+        "Per rank, remote data (first round): requests / MiB fetched",
+        "",
+        "| loader | " + " | ".join(f"rank {i}" for i in range(8)) + " |",
+        "|---|" + "---|" * 8,
+    ]
     for variant in VARIANTS:
         first = next(r for r in runs if r["data"] == "remote" and r["variant"] == variant)
         requests, sent = first["fetched"]["requests"], first["fetched"]["bytes"]
@@ -420,8 +456,12 @@ def remote_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_rounds(s: Settings, cases: Sequence[Any], world: Callable[[Any, int], tuple[Callable[..., int], Any]],
-               done: Callable[[Any], None] = lambda case: None) -> int:
+def run_rounds(
+    s: Settings,
+    cases: Sequence[Any],
+    world: Callable[[Any, int], tuple[Callable[..., int], Any]],
+    done: Callable[[Any], None] = lambda case: None,
+) -> int:
     """Each case in an 8-rank world of its own, ``s.rounds`` times, the order reversed every other
     round; ``world(case, round)`` gives the world's entry and its argument, ``done(case)`` runs
     after it. The first failing world's exit code, else 0."""
@@ -450,8 +490,11 @@ def remote_rounds(s: Settings, tmp: str) -> tuple[int, list[dict[str, Any]]]:
 
         def world(case: tuple[str, str], r: int) -> tuple[Callable[..., int], Any]:
             data, variant = case
-            where = {"local": s.data} if data == "local" else {
-                "remote": f"s3://{BUCKET}/{PREFIX}", "local": os.path.join(tmp, f"cache_{r}_{variant}")}
+            where = (
+                {"local": s.data}
+                if data == "local"
+                else {"remote": f"s3://{BUCKET}/{PREFIX}", "local": os.path.join(tmp, f"cache_{r}_{variant}")}
+            )
             return rank_main, (s, variant, where)
 
         def done(case: tuple[str, str]) -> None:
@@ -466,16 +509,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a small dataset, one round")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--placement", action="store_true", help="per-node loading CPU of both leader placements")
-    mode.add_argument("--remote", action="store_true", help="data local and on a local S3 endpoint: first batch, "
-                                                             "epoch time, fetches per rank")
+    mode.add_argument(
+        "--remote",
+        action="store_true",
+        help="data local and on a local S3 endpoint: first batch, epoch time, fetches per rank",
+    )
     args = parser.parse_args(argv)
-    name = ("loading_placement" if args.placement else "loading_remote" if args.remote else "loading")
+    name = "loading_placement" if args.placement else "loading_remote" if args.remote else "loading"
     name += "_quick" if args.quick else ""
     load_before, start = os.getloadavg(), time.time()
     tmp = tempfile.mkdtemp(prefix="cl_loading_")
     try:
-        s = dataclasses.replace(QUICK if args.quick else FULL, data=os.path.join(tmp, "mds"),
-                                out=os.path.join(tmp, "runs.jsonl"))
+        s = dataclasses.replace(
+            QUICK if args.quick else FULL, data=os.path.join(tmp, "mds"), out=os.path.join(tmp, "runs.jsonl")
+        )
         write_dataset(s.data, s)
         fetches: list[dict[str, Any]] = []
         if args.remote:
@@ -494,14 +541,25 @@ def main(argv: list[str] | None = None) -> int:
         runs = [{**run, "fetched": fetched} for run, fetched in zip(runs, fetches, strict=True)]
     results = {
         "meta": {
-            "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "torch": torch.__version__,
-            "python": platform.python_version(), "command": " ".join(["python bench/loading.py", *sys.argv[1:]]),
-            "seconds": time.time() - start, "load_before": " ".join(f"{x:.1f}" for x in load_before),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "machine": machine(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "command": " ".join(["python bench/loading.py", *sys.argv[1:]]),
+            "seconds": time.time() - start,
+            "load_before": " ".join(f"{x:.1f}" for x in load_before),
             "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
             "settings": dataclasses.asdict(s) | {"data": None, "out": None},
         },
-        "runs": [{**r, "ranks": [{k: v for k, v in x.items() if k != "ids"} | {"ids_n": len(x.get("ids", ()))}
-                                 for x in r["ranks"]]} for r in runs],
+        "runs": [
+            {
+                **r,
+                "ranks": [
+                    {k: v for k, v in x.items() if k != "ids"} | {"ids_n": len(x.get("ids", ()))} for x in r["ranks"]
+                ],
+            }
+            for r in runs
+        ],
     }
     if args.placement:
         text = placement_markdown(results["meta"], runs)

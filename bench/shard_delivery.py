@@ -46,8 +46,13 @@ def _batch(payload_bytes: int) -> dict[str, torch.Tensor]:
 def _time_epoch(case: Case, delivery: str, mesh) -> float:
     batch = _batch(case.payload_bytes)
     loader = CollectiveLoader(
-        [batch] * (case.steps + 5), mesh, inputs=("input_ids",), labels=("labels",),
-        seq_dims={"input_ids": 1, "labels": 1}, split="zigzag", delivery=delivery,
+        [batch] * (case.steps + 5),
+        mesh,
+        inputs=("input_ids",),
+        labels=("labels",),
+        seq_dims={"input_ids": 1, "labels": 1},
+        split="zigzag",
+        delivery=delivery,
     )
     it = iter(loader)
     for _ in range(5):  # warm-up
@@ -71,8 +76,17 @@ def rank_main(case: Case) -> int:
     if dist.get_rank() == 0:
         out = {d: statistics.median(t) for d, t in times.items()}
         with open(os.environ["BENCH_OUT"], "a") as f:
-            f.write(json.dumps({"dims": case.dims, "shape": case.shape, "payload_bytes": case.payload_bytes,
-                                "seconds_per_step": out}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "dims": case.dims,
+                        "shape": case.shape,
+                        "payload_bytes": case.payload_bytes,
+                        "seconds_per_step": out,
+                    }
+                )
+                + "\n"
+            )
     return 0
 
 

@@ -120,8 +120,19 @@ class CollectiveLoader:
         checked = run_phase(
             control,
             lambda: _check_arguments(
-                mesh, inputs, labels, every_stage, seq_dims, split, roles, placement, delivery, transport, prefetch,
-                timeout, max_batch_bytes,
+                mesh,
+                inputs,
+                labels,
+                every_stage,
+                seq_dims,
+                split,
+                roles,
+                placement,
+                delivery,
+                transport,
+                prefetch,
+                timeout,
+                max_batch_bytes,
             ),
             lambda rank, text: ConstructionError(f"rank {rank} could not build CollectiveLoader: {text}"),
         )
@@ -131,7 +142,14 @@ class CollectiveLoader:
         # the pool allocate, never overwrite
         parts = math.prod(size for _, size in routing.shard_dims) if delivery == "scatter" else 1
         groups = build_groups(
-            control, mesh_layout, place, device, transport, timeout, delivery == "scatter", (prefetch + 3) * parts,
+            control,
+            mesh_layout,
+            place,
+            device,
+            transport,
+            timeout,
+            delivery == "scatter",
+            (prefetch + 3) * parts,
             middle_data=bool(routing.every_stage),
         )
         self.settings = Settings(
@@ -201,8 +219,13 @@ class CollectiveLoader:
         settings = self.settings
         reference = settings.mesh_layout.leaders()[0]
         text = config_text(
-            settings.mesh_layout, settings.routing, settings.delivery, settings.transport, settings.prefetch,
-            settings.timeout, settings.max_batch_bytes,
+            settings.mesh_layout,
+            settings.routing,
+            settings.delivery,
+            settings.transport,
+            settings.prefetch,
+            settings.timeout,
+            settings.max_batch_bytes,
         )
         found = first_difference(settings.groups, reference, text)
         if found is not None:
@@ -359,9 +382,19 @@ def _close_live_loaders() -> None:
 
 
 def _check_arguments(
-    mesh: DeviceMesh, inputs: tuple[str, ...], labels: tuple[str, ...], every_stage: tuple[str, ...],
-    seq_dims: Mapping[str, int] | None, split: SequenceSplit, roles: Mapping[str, str] | None, placement: Placement,
-    delivery: Delivery, transport: Transport, prefetch: int | None, timeout: float, max_batch_bytes: int,
+    mesh: DeviceMesh,
+    inputs: tuple[str, ...],
+    labels: tuple[str, ...],
+    every_stage: tuple[str, ...],
+    seq_dims: Mapping[str, int] | None,
+    split: SequenceSplit,
+    roles: Mapping[str, str] | None,
+    placement: Placement,
+    delivery: Delivery,
+    transport: Transport,
+    prefetch: int | None,
+    timeout: float,
+    max_batch_bytes: int,
 ) -> tuple[MeshLayout, Place, Routing, torch.device, int, float, int]:
     """Check the arguments and derive this rank's settings (local: no collective)."""
     if delivery not in ("broadcast", "scatter"):
@@ -371,9 +404,13 @@ def _check_arguments(
     mesh_layout = MeshLayout.from_mesh(mesh, roles, placement)
     world = dist.get_world_size()
     if sorted(mesh_layout.ranks) != list(range(world)):
-        raise ValueError(f"the mesh must hold every rank of the world (size {world}); it holds {sorted(mesh_layout.ranks)}")
+        raise ValueError(
+            f"the mesh must hold every rank of the world (size {world}); it holds {sorted(mesh_layout.ranks)}"
+        )
     place = mesh_layout.place(dist.get_rank())
-    routing = Routing(tuple(inputs), tuple(labels), dict(seq_dims or {}), split, mesh_layout.shard_dims(), tuple(every_stage))
+    routing = Routing(
+        tuple(inputs), tuple(labels), dict(seq_dims or {}), split, mesh_layout.shard_dims(), tuple(every_stage)
+    )
     steps_ahead = max(2, place.pp_size) if prefetch is None else int(prefetch)
     if steps_ahead < 1:
         raise ValueError(f"prefetch must be >= 1, got {prefetch}")
@@ -403,12 +440,25 @@ def _log_construction(settings: Settings) -> None:
         log.info(
             "CollectiveLoader: mesh [%s], %d replicas, leaders %s (placement=%s); %d process groups (every rank makes them); "
             "delivery=%s transport=%s device=%s prefetch=%d timeout=%.0fs",
-            layout.describe(), layout.dp_size, list(layout.leaders()), layout.placement, groups.count,
-            settings.delivery, settings.transport, settings.device, settings.prefetch, settings.timeout,
+            layout.describe(),
+            layout.dp_size,
+            list(layout.leaders()),
+            layout.placement,
+            groups.count,
+            settings.delivery,
+            settings.transport,
+            settings.device,
+            settings.prefetch,
+            settings.timeout,
         )
     if place.is_leader:
         channels = ", ".join(f"{name} {list(ch.ranks)}" for name, ch in groups.channels.items())
         log.info(
             "CollectiveLoader: rank %d leads replica %d (dp_rank %d of %d, %s stage); delivers to %s",
-            place.rank, place.dp_rank, place.dp_rank, place.dp_size, place.stage, channels,
+            place.rank,
+            place.dp_rank,
+            place.dp_rank,
+            place.dp_size,
+            place.stage,
+            channels,
         )

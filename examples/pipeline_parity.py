@@ -162,8 +162,12 @@ class Block(nn.Module):
 
 
 TP_PLAN = {
-    "q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "proj": RowwiseParallel(),
-    "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel(),
+    "q": ColwiseParallel(),
+    "k": ColwiseParallel(),
+    "v": ColwiseParallel(),
+    "proj": RowwiseParallel(),
+    "mlp.0": ColwiseParallel(),
+    "mlp.2": RowwiseParallel(),
 }
 
 
@@ -216,9 +220,7 @@ def titan_dims(pp: int, dp: int, tp: int):
     import torchtitan.distributed.parallel_dims as parallel_dims
 
     parallel_dims.device_type = "cpu"
-    dims = parallel_dims.ParallelDims(
-        dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=pp, ep=1, world_size=pp * dp * tp
-    )
+    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=pp, ep=1, world_size=pp * dp * tp)
     dims.build_mesh()
     return dims
 
@@ -227,8 +229,9 @@ def batches(a: Args, mesh, tp: int):
     """This rank's batches: CollectiveLoader's, or the naive set-up's own StreamingDataset's."""
     if not a.naive:
         source = StreamingSource(mesh, local=a.data, batch_size=a.batch_size, shuffle=True, shuffle_seed=3)
-        loader = CollectiveLoader(source, mesh, inputs=("input_ids", "position_ids", "sample_id"),
-                                  labels=("labels", "sample_id"))
+        loader = CollectiveLoader(
+            source, mesh, inputs=("input_ids", "position_ids", "sample_id"), labels=("labels", "sample_id")
+        )
         try:
             yield from loader
         finally:
@@ -237,8 +240,13 @@ def batches(a: Args, mesh, tp: int):
     from streaming import StreamingDataset
 
     replication = tp  # tp * cp, with cp = 1 here
-    dataset = StreamingDataset(local=a.data, batch_size=a.batch_size, shuffle=True, shuffle_seed=3,
-                               replication=replication if replication > 1 else None)
+    dataset = StreamingDataset(
+        local=a.data,
+        batch_size=a.batch_size,
+        shuffle=True,
+        shuffle_seed=3,
+        replication=replication if replication > 1 else None,
+    )
     try:
         yield from DataLoader(dataset, batch_size=a.batch_size, collate_fn=lm_collate)
     finally:
@@ -262,8 +270,10 @@ def rank_main(a: Args) -> int:
         for part in parts:
             fully_shard(part, mesh=dims.get_mesh("dp_shard"))
     pp_group = dims.get_mesh("pp").get_group()
-    stages = [PipelineStage(part, pp_rank + i * case.pp, n_stages, torch.device("cpu"), group=pp_group)
-              for i, part in enumerate(parts)]
+    stages = [
+        PipelineStage(part, pp_rank + i * case.pp, n_stages, torch.device("cpu"), group=pp_group)
+        for i, part in enumerate(parts)
+    ]
     make = SCHEDULES[a.schedule]
     if case.stages_per_rank == 1:
         schedule = make(stages[0], n_microbatches=a.microbatches, loss_fn=loss_fn)
@@ -353,8 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns.all:
         runs = [(name, s) for name, case in CASES.items() for s in case.schedules]
     elif ns.case or ns.schedule:
-        runs = [(name, s) for name, case in CASES.items() for s in case.schedules
-                if ns.case in (None, name) and ns.schedule in (None, s)]
+        runs = [
+            (name, s)
+            for name, case in CASES.items()
+            for s in case.schedules
+            if ns.case in (None, name) and ns.schedule in (None, s)
+        ]
         if not runs:
             p.error(f"case {ns.case} does not run schedule {ns.schedule}")
     else:
@@ -370,9 +384,11 @@ def main(argv: list[str] | None = None) -> int:
                 got, want = run(a)
                 worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
                 label = "naive replication" if naive else "collective_loader"
-                print(f"{name:15s} {schedule:15s} {label:18s} loss step 1 {got[0]:.4f} -> step {len(got)} "
-                      f"{got[-1]:.4f}; single process {want[0]:.4f} -> {want[-1]:.4f}; worst relative gap {worst:.2e}",
-                      flush=True)
+                print(
+                    f"{name:15s} {schedule:15s} {label:18s} loss step 1 {got[0]:.4f} -> step {len(got)} "
+                    f"{got[-1]:.4f}; single process {want[0]:.4f} -> {want[-1]:.4f}; worst relative gap {worst:.2e}",
+                    flush=True,
+                )
                 ok &= (worst > 0.1) if naive else (worst <= RTOL)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

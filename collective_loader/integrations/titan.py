@@ -79,7 +79,9 @@ class TitanDataLoader:
         refused = sorted(set(options) & set(REFUSED))
         if refused:
             name = refused[0]
-            raise ValueError(f"TitanDataLoader takes no {name}=: {REFUSED[name]}; use CollectiveLoader for other routing")
+            raise ValueError(
+                f"TitanDataLoader takes no {name}=: {REFUSED[name]}; use CollectiveLoader for other routing"
+            )
         self.labels = labels
         self.loader = CollectiveLoader(source, mesh, inputs=(), labels=(), every_stage=(*inputs, labels), **options)
         # the names TorchTitan's ParallelAwareDataloader uses

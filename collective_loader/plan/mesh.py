@@ -319,7 +319,9 @@ def group_count(dp: int, pp: int, transport: str = "host", middle_data: bool = F
     return 1 + (dp > 1) + dp * (1 + destinations + data_groups)
 
 
-def mesh_place(mesh: DeviceMesh, rank: int, roles: Mapping[str, str] | None = None, placement: str = DEFAULT_PLACEMENT) -> Place:
+def mesh_place(
+    mesh: DeviceMesh, rank: int, roles: Mapping[str, str] | None = None, placement: str = DEFAULT_PLACEMENT
+) -> Place:
     """Where ``rank`` sits in ``mesh``: its dp_rank, dp_size, leader and stage.
 
     Handy for a source that must know its replica before the loader exists, e.g.

@@ -45,8 +45,8 @@ def leader_env(leaders: Sequence[int], dp_rank: int, local_world_size: int) -> d
         raise ValueError(
             f"data-parallel leaders are spread unevenly over nodes ({counts} leaders per node); streaming "
             "needs the same number on every node that holds one: put the data dims of the mesh outermost "
-            "or innermost, or give StreamingSource and CollectiveLoader the other placement= (\"spread\", "
-            "the default, puts replica d's leader on pipeline stage d * pp // dp; \"first_stage\" puts "
+            'or innermost, or give StreamingSource and CollectiveLoader the other placement= ("spread", '
+            'the default, puts replica d\'s leader on pipeline stage d * pp // dp; "first_stage" puts '
             "every leader on the first stage)"
         )
     count = per_node.pop()
@@ -99,7 +99,8 @@ class _LeadersBarrier:
                 dist.barrier = self._barrier
             self._scopes += 1
         outer = (
-            getattr(self._target, "group", self._OFF), getattr(self._target, "settled", False),
+            getattr(self._target, "group", self._OFF),
+            getattr(self._target, "settled", False),
             getattr(self._target, "failed", None),
         )
         self._target.group, self._target.settled, self._target.failed = group, False, failed

@@ -40,7 +40,10 @@ def init_rank(rank: int, size: int, init_file: str, backend: str = "gloo") -> No
     rank: many ranks share a few cores.
     """
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size),
+        RANK=str(rank),
+        WORLD_SIZE=str(size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(size),
         MASTER_ADDR="127.0.0.1",
     )
     torch.set_num_threads(1)

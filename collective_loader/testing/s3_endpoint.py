@@ -60,7 +60,7 @@ def client_of(user_agent: str) -> str:
     """
     for part in user_agent.split():
         if part.startswith("app/"):
-            return part[len("app/"):]
+            return part[len("app/") :]
     return UNNAMED
 
 
@@ -140,8 +140,11 @@ class S3Endpoint:
 
         env = self.client_env()
         return boto3.client(
-            "s3", endpoint_url=env["S3_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"],
+            "s3",
+            endpoint_url=env["S3_ENDPOINT_URL"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            region_name=env["AWS_DEFAULT_REGION"],
         )
 
     def create_bucket(self, name: str) -> None:

@@ -73,9 +73,19 @@ def _records(tmp_path) -> list[dict]:
     script.write_text(SCRIPT)
     results.mkdir()
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script),
-         str(results)],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            str(script),
+            str(results),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     records = [json.loads(path.read_text()) for path in sorted(results.glob("*.json"))]

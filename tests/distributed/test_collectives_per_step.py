@@ -49,8 +49,13 @@ def varying_sizes(delivery: str, keep: bool, lengths: list[int]):
     allocations = sum(ch.pool.allocations for ch in loader.settings.groups.channels.values())
     stats = loader.stats()
     loader.close()
-    return {"rank": dist.get_rank(), "leader": loader.is_leader, "collectives": stats["collectives"],
-            "allocations": allocations, "wrong": wrong}
+    return {
+        "rank": dist.get_rank(),
+        "leader": loader.is_leader,
+        "collectives": stats["collectives"],
+        "allocations": allocations,
+        "wrong": wrong,
+    }
 
 
 @pytest.mark.parametrize("delivery", ["broadcast", "scatter"])
@@ -108,8 +113,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _same(got, want) -> bool:
     if isinstance(want, torch.Tensor):
-        return (isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
-                and torch.equal(_bytes(got), _bytes(want)) and not got.requires_grad)
+        return (
+            isinstance(got, torch.Tensor)
+            and got.dtype == want.dtype
+            and got.shape == want.shape
+            and torch.equal(_bytes(got), _bytes(want))
+            and not got.requires_grad
+        )
     if isinstance(want, dict):
         return isinstance(got, dict) and got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
     return got == want

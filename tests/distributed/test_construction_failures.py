@@ -43,9 +43,11 @@ def build(phase: str, data: str) -> dict:
     start = time.monotonic()
     try:
         if phase == "arguments":
-            CollectiveLoader(lambda: [], mesh, inputs=INPUTS, labels=LABELS, prefetch=0 if me == FAILING else None,
-                             timeout=TIMEOUT)
+            CollectiveLoader(
+                lambda: [], mesh, inputs=INPUTS, labels=LABELS, prefetch=0 if me == FAILING else None, timeout=TIMEOUT
+            )
         elif phase == "source":
+
             def source():
                 if me == FAILING:
                     raise OSError("no such bucket")
@@ -65,7 +67,11 @@ def build(phase: str, data: str) -> dict:
 @pytest.mark.parametrize(
     "phase,error,needle",
     [
-        ("arguments", ConstructionError, f"rank {FAILING} could not build CollectiveLoader: ValueError: prefetch must be >= 1"),
+        (
+            "arguments",
+            ConstructionError,
+            f"rank {FAILING} could not build CollectiveLoader: ValueError: prefetch must be >= 1",
+        ),
         ("source", LeaderError, f"leader rank {FAILING} could not build its source: OSError: no such bucket"),
         ("dataset", LeaderError, f"leader rank {FAILING} failed while the leaders built their datasets"),
     ],

@@ -133,7 +133,8 @@ class StallingSource:
     def __iter__(self):
         self._stall("iter")
         for self.step, batch in enumerate(  # noqa: B020 (records the step being loaded)
-            ranks.id_batches(self.dp, 2, 1000, 2, 16)):
+            ranks.id_batches(self.dp, 2, 1000, 2, 16)
+        ):
             self._stall("next")
             yield batch
 
@@ -170,5 +171,7 @@ def test_stalled_leader_is_reported_as_still_loading(worlds, where, at):
     leader = MeshLayout.build(*MESH, range(8)).leaders()[1]
     for rank, rec in enumerate(records):
         assert rec["error"] == LeaderError.__name__, (rank, rec)
-        assert f"leader rank {leader} (dp_rank 1)" in rec["message"] and f"still loading step {at}" in rec["message"], rec
+        assert f"leader rank {leader} (dp_rank 1)" in rec["message"] and f"still loading step {at}" in rec["message"], (
+            rec
+        )
         assert rec["steps"] == at and rec["after"] < TIMEOUT + SLACK, rec

@@ -47,11 +47,27 @@ def _run(worlds, transport, dims, shape, layout, delivery, **kw):
     world = worlds.get(math.prod(shape))
     n_samples, batch_size = 24, 2
     records = world.run(
-        ranks.deliver, dims, shape, n_samples=n_samples, batch_size=batch_size, seq_len=SEQ,
-        split=layout, delivery=delivery, transport=transport, timeout=120, **kw,
+        ranks.deliver,
+        dims,
+        shape,
+        n_samples=n_samples,
+        batch_size=batch_size,
+        seq_len=SEQ,
+        split=layout,
+        delivery=delivery,
+        transport=transport,
+        timeout=120,
+        **kw,
     )
-    verify(records, n_samples=n_samples, batch_size=batch_size, seq_len=SEQ, layout=layout, epochs=kw.get("epochs", 1),
-           every_stage=kw.get("every_stage", ()))
+    verify(
+        records,
+        n_samples=n_samples,
+        batch_size=batch_size,
+        seq_len=SEQ,
+        layout=layout,
+        epochs=kw.get("epochs", 1),
+        every_stage=kw.get("every_stage", ()),
+    )
     mesh = MeshLayout.build(dims, shape, range(math.prod(shape)), kw.get("roles"))
     want = group_count(mesh.dp_size, mesh.pp_size, transport, middle_data=bool(kw.get("every_stage")))
     assert {r["group_count"] for r in records} == {want}
@@ -104,20 +120,26 @@ def test_every_stage_keys_reach_middle_stages_12(worlds, transport, delivery):
 
 
 FIRST_STAGE = [
-    ("host", *MESHES_8[0], ()), ("host", *MESHES_8[1], ()), ("host", *MESHES_12[0], ()),
-    ("host", ("pp", "dp", "cp"), (3, 2, 2), ("cu_seqlens",)), ("device", ("pp", "dp", "cp"), (3, 2, 2), ("cu_seqlens",)),
+    ("host", *MESHES_8[0], ()),
+    ("host", *MESHES_8[1], ()),
+    ("host", *MESHES_12[0], ()),
+    ("host", ("pp", "dp", "cp"), (3, 2, 2), ("cu_seqlens",)),
+    ("device", ("pp", "dp", "cp"), (3, 2, 2), ("cu_seqlens",)),
 ]
 
 
 @pytest.mark.parametrize("delivery", ["broadcast", "scatter"])
 @pytest.mark.parametrize(
-    "transport_,dims,shape,every_stage", FIRST_STAGE,
+    "transport_,dims,shape,every_stage",
+    FIRST_STAGE,
     ids=["pp2-dp2-tp2", "torchtitan", "pp3-dp2-tp2", "pp3-dp2-cp2-every-stage", "device-pp3-dp2-cp2-every-stage"],
 )
 def test_leaders_all_on_the_first_stage(worlds, transport_, dims, shape, every_stage, delivery):
     """placement="first_stage": every leader on the first stage, delivering every role its data
     (the other cases here run the default, "spread", where the second replica's leader sits on a
     later stage)."""
-    records = _run(worlds, transport_, dims, shape, "zigzag", delivery, placement="first_stage", every_stage=every_stage)
+    records = _run(
+        worlds, transport_, dims, shape, "zigzag", delivery, placement="first_stage", every_stage=every_stage
+    )
     stages = {r["dp_rank"]: r["stage"] for r in records if r["is_leader"]}
     assert set(stages.values()) == {"first"}, stages

@@ -28,8 +28,16 @@ FAILING_DEMO = Path(__file__).resolve().parents[1] / "support" / "failing_demo.p
 QUICKSTART = ("-m", "collective_loader", "demo")
 MIDDLE_STAGE_LEADER = (*QUICKSTART, "--mesh", "pp=3,dp=2", "--samples", "48")
 UNDER_TORCHRUN = (
-    "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", *QUICKSTART,
-    "--mesh", "pp=2,dp=2", "--samples", "32",
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc-per-node",
+    "4",
+    *QUICKSTART,
+    "--mesh",
+    "pp=2,dp=2",
+    "--samples",
+    "32",
 )
 REMOTE = (*QUICKSTART, "--remote", "--mesh", "pp=2,dp=2", "--samples", "32")
 RUN_HERE = (QUICKSTART, MIDDLE_STAGE_LEADER, UNDER_TORCHRUN, REMOTE)
@@ -70,10 +78,28 @@ def test_a_rank_failing_after_the_epoch_ends_every_rank(phase, rank):
     rank 0's report, which test_two_nodes runs over two nodes by default): every rank says which
     rank failed where and exits non-zero, at once (torchrun would stop them after 5 s)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "--monitor-interval", "5", str(FAILING_DEMO), phase, str(rank), "--mesh", "pp=2,dp=2", "--samples", "32",
-         "--timeout", "60"],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "--monitor-interval",
+            "5",
+            str(FAILING_DEMO),
+            phase,
+            str(rank),
+            "--mesh",
+            "pp=2,dp=2",
+            "--samples",
+            "32",
+            "--timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode != 0, proc.stdout + proc.stderr
     where = {"naive": "the naive run", "report": "the report"}[phase]
@@ -102,7 +128,10 @@ FETCHED = re.compile(r"^ *(\d+)  (leader)? +(\d+) requests +([\d.]+) KiB +(\d+) 
 def test_demo_remote_only_leaders_fetch_from_the_endpoint():
     proc = subprocess.Popen(
         [sys.executable, *REMOTE],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=170)
@@ -134,7 +163,9 @@ def _records(plans: dict[int, list[list[int]]], shape=(2, 2, 2)) -> tuple[list[i
     records = []
     for rank in layout.ranks:
         place = layout.place(rank)
-        steps = [routing.piece(routing.select(expected(ids, SEQ), place.stage), place.shard) for ids in plans[place.dp_rank]]
+        steps = [
+            routing.piece(routing.select(expected(ids, SEQ), place.stage), place.shard) for ids in plans[place.dp_rank]
+        ]
         records.append(invariants.RankRecord(rank, place.dp_rank, place.stage, place.shard, steps))
     return records, routing
 
@@ -185,11 +216,17 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MAS
         (["--mesh", "pp2"], {}, r"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got 'pp2'"),
         (["--mesh", "dp=2,dp=2"], {}, r"--mesh dp=2,dp=2: mesh dim names must be unique"),
         (["--mesh", "dp=0"], {}, r"--mesh dp=0: mesh dims must have size >= 1"),
-        (["--mesh", "cp=3"], {},
-         r"--mesh cp=3: --seq-len 64 cannot be split over cp=3 by the zigzag split; use a multiple of 6"),
+        (
+            ["--mesh", "cp=3"],
+            {},
+            r"--mesh cp=3: --seq-len 64 cannot be split over cp=3 by the zigzag split; use a multiple of 6",
+        ),
         # under torchrun (its environment, one process): the mesh must match the world it started
-        (["--mesh", "pp=2,dp=2,tp=2"], {**TORCHRUN_ENV, "WORLD_SIZE": "4"},
-         r"--mesh pp=2,dp=2,tp=2: the mesh has 8 ranks, the world 4"),
+        (
+            ["--mesh", "pp=2,dp=2,tp=2"],
+            {**TORCHRUN_ENV, "WORLD_SIZE": "4"},
+            r"--mesh pp=2,dp=2,tp=2: the mesh has 8 ranks, the world 4",
+        ),
         # the endpoint lives in the process that starts the ranks: torchrun has none
         (["--remote"], TORCHRUN_ENV, r"--remote serves its S3 endpoint from the demo process that starts the ranks"),
         (["--remote", "--data", "/nonexistent"], {}, r"--remote uploads the demo's own dataset; leave out --data"),
@@ -197,8 +234,11 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MAS
 )
 def test_demo_refuses_a_bad_mesh_or_remote_in_one_line_before_any_rank_starts(args, env, message):
     proc = subprocess.run(
-        [sys.executable, "-m", "collective_loader", "demo", *args], capture_output=True, text=True,
-        timeout=60, env={**os.environ, **env},
+        [sys.executable, "-m", "collective_loader", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr

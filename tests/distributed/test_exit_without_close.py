@@ -53,8 +53,21 @@ def test_exit_mid_epoch_without_close_is_clean(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     torchrun = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--tee", "3", str(script)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "--tee",
+            "3",
+            str(script),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, _ = torchrun.communicate(timeout=120)

@@ -64,8 +64,14 @@ def by_hand(transport: str, delivery: str) -> dict:
         item = protocol.step(step)  # the gloo part: header (and with the host transport, the bytes)
         pending = bool(item.sends or item.receive)
         item = complete(settings, post(settings, item))  # the training thread's part
-        out.append({"kind": int(item.kind), "step": item.step, "pending": pending,
-                    "batch": {k: v.clone() for k, v in item.batch.items()}})
+        out.append(
+            {
+                "kind": int(item.kind),
+                "step": item.step,
+                "pending": pending,
+                "batch": {k: v.clone() for k, v in item.batch.items()},
+            }
+        )
     if place.is_leader:
         watch.close()
     want = [routing.piece(routing.select(b, place.stage), place.shard) for b in batches]
@@ -148,13 +154,19 @@ def test_interrupt_replaces_a_stuck_step():
 
 @pytest.mark.parametrize(
     "error,kind",
-    [(DeliveryError("lost rank 3"), Kind.DELIVERY_ERROR), (WireError("bad magic"), Kind.DELIVERY_ERROR),
-     (BatchError("key 'x'"), Kind.BATCH_ERROR), (LeaderError("boom"), Kind.SOURCE_ERROR),
-     (KeyError("k"), Kind.SOURCE_ERROR)],
+    [
+        (DeliveryError("lost rank 3"), Kind.DELIVERY_ERROR),
+        (WireError("bad magic"), Kind.DELIVERY_ERROR),
+        (BatchError("key 'x'"), Kind.BATCH_ERROR),
+        (LeaderError("boom"), Kind.SOURCE_ERROR),
+        (KeyError("k"), Kind.SOURCE_ERROR),
+    ],
 )
 def test_an_exception_on_the_transfer_thread_keeps_its_class_and_message(error, kind):
     """What the training loop raises is the exception the thread saw, not a relabelled one."""
-    p = Prefetcher(lambda n: (_ for _ in ()).throw(error), lead=2, is_last=lambda item: False, on_error=failed, name="t")
+    p = Prefetcher(
+        lambda n: (_ for _ in ()).throw(error), lead=2, is_last=lambda item: False, on_error=failed, name="t"
+    )
     item = p.take()
     p.close(wait=5)
     assert item.error is error and item.kind == kind

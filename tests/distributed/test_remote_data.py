@@ -57,7 +57,8 @@ def world(worlds):
 def shard_gets(s3: S3Endpoint, since: float = 0.0, until: float = float("inf")) -> list[str]:
     """Keys of the shards fetched (GET answered 200) between two times."""
     return [
-        r.key for r in s3.requests()
+        r.key
+        for r in s3.requests()
         if r.method == "GET" and r.key.endswith(".mds") and r.status == 200 and since <= r.time < until
     ]
 
@@ -103,8 +104,9 @@ def first_batch_then_wait(env, remote, cache, dims, shape, wait, **dataset_kwarg
     return ended
 
 
-def until_failure(env, remote, cache, dims, shape, signal_dir=None, checkpoint_at=None, loader_timeout=60.0,
-                  **dataset_kwargs):
+def until_failure(
+    env, remote, cache, dims, shape, signal_dir=None, checkpoint_at=None, loader_timeout=60.0, **dataset_kwargs
+):
     """Iterate until the loader raises; returns (steps taken, the error's text, the checkpoint).
 
     With ``signal_dir``: rank 0 asks the test to stop the endpoint once ``checkpoint_at`` steps
@@ -183,8 +185,15 @@ def test_predownload_bounds_how_far_ahead_the_leader_fetches(world, s3, remote, 
     # ``predownload`` samples beyond those: 16 samples, the first shard or two
     s3.clear()
     ended = world.run(
-        first_batch_then_wait, s3.client_env(), remote, str(tmp_path / "cache"), *ONE_REPLICA, 3.0,
-        predownload=predownload, num_canonical_nodes=1, timeout=120,
+        first_batch_then_wait,
+        s3.client_env(),
+        remote,
+        str(tmp_path / "cache"),
+        *ONE_REPLICA,
+        3.0,
+        predownload=predownload,
+        num_canonical_nodes=1,
+        timeout=120,
     )[0]
     fetched = shard_gets(s3, until=ended)
     if predownload == SAMPLES:
@@ -206,7 +215,13 @@ def test_deleted_shard_fails_on_every_rank_after_its_retries(world, s3, remote, 
     s3.client().delete_object(Bucket=S3_BUCKET, Key=gone)
     s3.clear()
     results = world.run(
-        until_failure, s3.client_env(), remote, str(tmp_path / "cache"), *ONE_REPLICA, download_retry=2, timeout=120,
+        until_failure,
+        s3.client_env(),
+        remote,
+        str(tmp_path / "cache"),
+        *ONE_REPLICA,
+        download_retry=2,
+        timeout=120,
     )
     assert_failed_everywhere(results, r"leader rank 0", r"step \d+", re.escape(gone.rsplit("/", 1)[1]), "not found")
     heads = [r for r in s3.requests() if r.key == gone]
@@ -233,13 +248,23 @@ def test_endpoint_gone_mid_epoch_fails_everywhere_and_resume_continues_exactly(w
     try:
         # predownload: one batch ahead, so most shards are still to be fetched when the store goes
         results = world.run(
-            until_failure, env, remote, cache, *ONE_REPLICA, str(signals), checkpoint_at,
-            predownload=BATCH, download_retry=1, timeout=120,
+            until_failure,
+            env,
+            remote,
+            cache,
+            *ONE_REPLICA,
+            str(signals),
+            checkpoint_at,
+            predownload=BATCH,
+            download_retry=1,
+            timeout=120,
         )
     finally:
         stopper.join(10)
         s3.start()  # the store is back, with its data
-    assert_failed_everywhere(results, r"leader rank 0", r"step \d+", r"Could not connect to the endpoint URL", r"shard\.\d+\.mds")
+    assert_failed_everywhere(
+        results, r"leader rank 0", r"step \d+", r"Could not connect to the endpoint URL", r"shard\.\d+\.mds"
+    )
     assert all(taken[:checkpoint_at] == full_ids[:checkpoint_at] for taken, _, _ in results[:1])
     states = [checkpoint for _, _, checkpoint in results]
     rest = world.run(resumed, env, remote, cache, *ONE_REPLICA, states, predownload=BATCH, timeout=120)
@@ -249,7 +274,15 @@ def test_endpoint_gone_mid_epoch_fails_everywhere_and_resume_continues_exactly(w
 def test_slow_endpoint_is_the_stall_report(world, s3, remote, tmp_path):
     s3.latency, s3.slow_keys = 30.0, r"\.mds$"  # each shard takes 30 s: longer than the loader waits
     try:
-        results = world.run(until_failure, s3.client_env(), remote, str(tmp_path / "cache"), *ONE_REPLICA, loader_timeout=12.0, timeout=90)
+        results = world.run(
+            until_failure,
+            s3.client_env(),
+            remote,
+            str(tmp_path / "cache"),
+            *ONE_REPLICA,
+            loader_timeout=12.0,
+            timeout=90,
+        )
     finally:
         s3.latency = 0.0
         world.kill()  # the leader's thread is still inside streaming, waiting for the shard
@@ -272,8 +305,15 @@ def test_download_timeout_is_streamings_read_timeout(world, s3, remote, tmp_path
     s3.latency, s3.slow_keys = 3.0, r"\.mds$"
     try:
         results = world.run(
-            until_failure, s3.client_env(), remote, str(tmp_path / "cache"), *ONE_REPLICA,
-            download_timeout=0.5, download_retry=1, loader_timeout=120.0, timeout=200,
+            until_failure,
+            s3.client_env(),
+            remote,
+            str(tmp_path / "cache"),
+            *ONE_REPLICA,
+            download_timeout=0.5,
+            download_retry=1,
+            loader_timeout=120.0,
+            timeout=200,
         )
     finally:
         s3.latency = 0.0

@@ -54,8 +54,9 @@ def soak(steps: int):
     """One epoch of ``steps`` steps of fresh batches; RSS sampled every 1% of the steps."""
     mesh = ranks.make_mesh(*MESH)
     dp = ranks.mesh_place(mesh, dist.get_rank()).dp_rank
-    loader = CollectiveLoader(lambda: ranks.id_batches(dp, 2, steps * BATCH * 2, BATCH, SEQ), mesh, **ranks.KEYS,
-                              timeout=120)
+    loader = CollectiveLoader(
+        lambda: ranks.id_batches(dp, 2, steps * BATCH * 2, BATCH, SEQ), mesh, **ranks.KEYS, timeout=120
+    )
     fds0, threads0 = _fds(), _threads()
     warm = steps // 10
     samples, in_epoch = [], None
@@ -70,10 +71,14 @@ def soak(steps: int):
     steps_at, rss = np.array(samples, dtype=np.float64).T
     slope = float(np.polyfit(steps_at, rss, 1)[0])  # bytes per step
     return {
-        "rank": dist.get_rank(), "steps": n, "slope": slope, "growth": float(rss[-1] - rss[0]),
+        "rank": dist.get_rank(),
+        "steps": n,
+        "slope": slope,
+        "growth": float(rss[-1] - rss[0]),
         "fds": (fds0, *[x[0] for x in (in_epoch, end_of_epoch)]),
         "threads": (threads0, *[x[1] for x in (in_epoch, end_of_epoch)]),
-        "ours": (in_epoch[2], end_of_epoch[2]), "leader": ranks.mesh_place(mesh, dist.get_rank()).is_leader,
+        "ours": (in_epoch[2], end_of_epoch[2]),
+        "leader": ranks.mesh_place(mesh, dist.get_rank()).is_leader,
     }
 
 

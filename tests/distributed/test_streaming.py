@@ -52,7 +52,12 @@ def _build(data, dims, shape, batch_size, **kw):
     mesh = ranks.make_mesh(dims, shape)
     workers = kw.pop("num_workers", 0)
     source = StreamingSource(
-        mesh, local=data, batch_size=batch_size, shuffle=True, shuffle_seed=7, num_canonical_nodes=2,
+        mesh,
+        local=data,
+        batch_size=batch_size,
+        shuffle=True,
+        shuffle_seed=7,
+        num_canonical_nodes=2,
         num_workers=workers,
         # forked workers of these big test processes were ~10x slower (see the README)
         dataloader_kwargs={"multiprocessing_context": "forkserver"} if workers else None,
@@ -137,7 +142,9 @@ def failed_build():
 def _verify(records_by_rank, epoch):
     """Check (a)-(e) for one epoch; return the leaders' sample ids in delivery order."""
     records = [
-        invariants.RankRecord(r["place"].rank, r["place"].dp_rank, r["place"].stage, r["place"].shard, r["epochs"][epoch])
+        invariants.RankRecord(
+            r["place"].rank, r["place"].dp_rank, r["place"].stage, r["place"].shard, r["epochs"][epoch]
+        )
         for r in records_by_rank
     ]
     routing = Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", ())
@@ -145,7 +152,9 @@ def _verify(records_by_rank, epoch):
         routing = Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", (("cp", 2),))
     verdicts = invariants.check(records, routing, lambda ids: expected(ids, SEQ), range(SAMPLES))
     assert all(v.ok for v in verdicts), [f"{v.name}: {v.detail}" for v in verdicts if not v.ok]
-    return [i for r in records_by_rank if r["place"].is_leader for b in r["epochs"][epoch] for i in b["sample_id"].tolist()]
+    return [
+        i for r in records_by_rank if r["place"].is_leader for b in r["epochs"][epoch] for i in b["sample_id"].tolist()
+    ]
 
 
 @pytest.fixture
@@ -237,7 +246,9 @@ def killed_then_restart(data, clean_stale):
 
 
 def test_after_a_killed_run_the_next_run_starts_and_clean_stale_removes_the_leftovers(world, data):
-    proc = subprocess.run([sys.executable, "-c", KILLED, data], capture_output=True, timeout=120, start_new_session=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED, data], capture_output=True, timeout=120, start_new_session=True
+    )
     assert proc.returncode == -signal.SIGKILL
     stale = leftovers()
     assert stale, "the killed run should have left streaming's shared memory behind"
@@ -268,8 +279,9 @@ def checkpoint_then_die(data, path, checkpoint_at, die_at):
 
 def resume_after_kill(data, path):
     mesh = ranks.make_mesh(("pp", "dp", "tp"), (2, 2, 2))
-    source = StreamingSource(mesh, local=data, batch_size=4, shuffle=True, shuffle_seed=7, num_canonical_nodes=2,
-                             clean_stale=True)  # the killed job's shared memory is still there
+    source = StreamingSource(
+        mesh, local=data, batch_size=4, shuffle=True, shuffle_seed=7, num_canonical_nodes=2, clean_stale=True
+    )  # the killed job's shared memory is still there
     loader = CollectiveLoader(source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS)
     loader.load_state_dict(torch.load(os.path.join(path, f"state_{dist.get_rank()}.pt"), weights_only=False))
     tail = [b["sample_id"].tolist() for b in loader]
@@ -279,7 +291,10 @@ def resume_after_kill(data, path):
 
 def test_resume_after_the_whole_job_was_killed(worlds, data, tmp_path):
     world = worlds.get(8)
-    full = [[b["sample_id"].tolist() for b in r["epochs"][0]] for r in world.run(epochs, data, ("pp", "dp", "tp"), (2, 2, 2), timeout=180)]
+    full = [
+        [b["sample_id"].tolist() for b in r["epochs"][0]]
+        for r in world.run(epochs, data, ("pp", "dp", "tp"), (2, 2, 2), timeout=180)
+    ]
     world.run(checkpoint_then_die, data, str(tmp_path), 3, 6, dying=frozenset(range(8)), timeout=180)
     tails = world.run(resume_after_kill, data, str(tmp_path), timeout=240)  # a fresh world
     for rank in range(8):

@@ -33,7 +33,10 @@ def test_spread_leaders_share_the_stages_nodes():
     # pp outermost on 2 nodes of 8, the default placement: replicas 0-1 on node 0, 2-3 on node 1
     envs = _envs(("pp", "dp", "tp"), (2, 4, 2), 8)
     assert [(e["RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["LOCAL_RANK"]) for e in envs] == [
-        ("0", "4", "2", "0"), ("1", "4", "2", "1"), ("2", "4", "2", "0"), ("3", "4", "2", "1")
+        ("0", "4", "2", "0"),
+        ("1", "4", "2", "1"),
+        ("2", "4", "2", "0"),
+        ("3", "4", "2", "1"),
     ]
 
 
@@ -55,7 +58,10 @@ def test_all_leaders_on_one_node():
 def test_one_leader_per_node():
     envs = _envs(("dp", "pp", "tp"), (4, 2, 4), 8)  # replica d fills node d
     assert [(e["RANK"], e["LOCAL_WORLD_SIZE"], e["LOCAL_RANK"]) for e in envs] == [
-        ("0", "1", "0"), ("1", "1", "0"), ("2", "1", "0"), ("3", "1", "0")
+        ("0", "1", "0"),
+        ("1", "1", "0"),
+        ("2", "1", "0"),
+        ("3", "1", "0"),
     ]
 
 
@@ -221,7 +227,9 @@ def test_remove_stale_as_another_user_keeps_what_is_not_its_own():
     try:
         proc = subprocess.run(
             [sys.executable, "-c", AS_NOBODY, str(uid), str(gid), "/dev/shm", str(tmp)],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout) == ["999981_locals", "999981_barrier_filelock"]

@@ -22,7 +22,9 @@ CPU = torch.device("cpu")
 def test_cpu_flow_passes_and_reports_every_check(tmp_path):
     proc = subprocess.run(
         ["bash", os.path.join(BENCH, "gpu_check.sh"), "--cpu", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=330,
+        capture_output=True,
+        text=True,
+        timeout=330,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (report,) = tmp_path.glob("gpu_check_*.md")

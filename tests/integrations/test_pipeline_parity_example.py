@@ -18,8 +18,13 @@ LINE = re.compile(r"^(\S+)\s+(\S+)\s+(collective_loader|naive replication)\s.*wo
 
 
 def _run(args: list[str], timeout: float) -> list[tuple[str, str, str, str]]:
-    proc = subprocess.Popen([sys.executable, EXAMPLE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, EXAMPLE, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -59,6 +64,12 @@ def test_the_example_s_default_cases():
 @pytest.mark.timeout(1800)
 def test_every_case_and_schedule():
     """``python -m pytest -m slow tests/integrations/test_pipeline_parity_example.py``: every case with every schedule it supports."""
-    want = [("pp2-dp2", "GPipe"), ("pp2-dp2", "1F1B"), ("pp2-dp2-tp2", "GPipe"), ("pp2-dp2-tp2", "1F1B"),
-            ("pp4-interleaved", "Interleaved1F1B"), ("pp4-interleaved", "LoopedBFS")]
+    want = [
+        ("pp2-dp2", "GPipe"),
+        ("pp2-dp2", "1F1B"),
+        ("pp2-dp2-tp2", "GPipe"),
+        ("pp2-dp2-tp2", "1F1B"),
+        ("pp4-interleaved", "Interleaved1F1B"),
+        ("pp4-interleaved", "LoopedBFS"),
+    ]
     _assert_parity(_run(["--all"], timeout=1700), want)

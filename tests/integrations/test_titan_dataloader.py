@@ -40,7 +40,7 @@ class Tokens(Dataset):
 def expected_ids(dp: int, dp_rank: int) -> list[list[int]]:
     """The batches of sample ids replica ``dp_rank`` must see in one epoch."""
     ids = list(DistributedSampler(Tokens(), num_replicas=dp, rank=dp_rank, shuffle=True, seed=SEED))
-    return [ids[i:i + BATCH] for i in range(0, len(ids), BATCH)]
+    return [ids[i : i + BATCH] for i in range(0, len(ids), BATCH)]
 
 
 _MESHES: dict = {}
@@ -81,8 +81,14 @@ def titan_run(degrees: tuple[int, int, int], checkpoint: str) -> dict:
     place = full_loader.loader.place
     full = seen(full_loader)
     state = full_loader.state_dict()
-    rec = {"stage": place.stage, "dp_rank": place.dp_rank, "full": full, "stateful": isinstance(full_loader, Stateful),
-           "state": {k: type(v).__name__ for k, v in state.items()}, "world_size": state["world_size"]}
+    rec = {
+        "stage": place.stage,
+        "dp_rank": place.dp_rank,
+        "full": full,
+        "stateful": isinstance(full_loader, Stateful),
+        "state": {k: type(v).__name__ for k, v in state.items()},
+        "world_size": state["world_size"],
+    }
     full_loader.load_state_dict({})  # as in TorchTitan: an empty state is valid
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -124,7 +130,9 @@ def test_every_rank_gets_its_samples_and_resumes_through_dcp(world, tmp_path, na
         assert rec["world_size"] == dp
         assert len(rec["missing"]) == 1 and "'dp_rank_" in rec["missing"][0]
         assert f"world_size={dp + 1} data-parallel ranks and this run has {dp}" in rec["mismatch"]
-        assert rec["head"] == want[:STOP] and rec["tail"] == want[STOP:], f"rank {rank}: the resume must continue exactly"
+        assert rec["head"] == want[:STOP] and rec["tail"] == want[STOP:], (
+            f"rank {rank}: the resume must continue exactly"
+        )
         assert not rec["resume_warnings"], rec["resume_warnings"]  # no "skipping batches": the source's state was used
     assert sorted(i for d in range(dp) for step in expected_ids(dp, d) for i in step) == list(range(SAMPLES))
 

@@ -55,8 +55,9 @@ def make_source(kind: str, num_workers: int, dp_rank: int, dp_size: int):
 def build(kind: str, num_workers: int) -> CollectiveLoader:
     mesh = ranks.make_mesh(*MESH)
     place = mesh_place(mesh, dist.get_rank())
-    return CollectiveLoader(lambda: make_source(kind, num_workers, place.dp_rank, place.dp_size), mesh,
-                            timeout=60, **ranks.KEYS)
+    return CollectiveLoader(
+        lambda: make_source(kind, num_workers, place.dp_rank, place.dp_size), mesh, timeout=60, **ranks.KEYS
+    )
 
 
 def record(batch: dict, stage: str) -> dict:
@@ -64,8 +65,10 @@ def record(batch: dict, stage: str) -> dict:
     delivered tensor is the one derived from those ids."""
     ids = batch["sample_id"]
     tokens = ids[:, None] * 1000 + torch.arange(SEQ)
-    expected = {"first": {"input_ids": tokens, "position_ids": torch.arange(SEQ).expand(len(ids), SEQ)},
-                "last": {"labels": tokens + 1}}[stage]
+    expected = {
+        "first": {"input_ids": tokens, "position_ids": torch.arange(SEQ).expand(len(ids), SEQ)},
+        "last": {"labels": tokens + 1},
+    }[stage]
     ok = all(torch.equal(batch[k], v) for k, v in expected.items())
     return {"ids": ids.tolist(), "keys": sorted(batch), "ok": ok}
 
@@ -118,9 +121,17 @@ def resume_run(kind: str, num_workers: int, stop_after: int) -> dict:
     second.close()
     place = second.place
     return {
-        "rank": dist.get_rank(), "dp_rank": place.dp_rank, "stage": stage, "coords": place.coords,
-        "is_leader": place.is_leader, "full": full, "head": head, "tail": tail,
-        "steps": state["steps"], "state": plain(state), "round_trip": same(state, loaded),
+        "rank": dist.get_rank(),
+        "dp_rank": place.dp_rank,
+        "stage": stage,
+        "coords": place.coords,
+        "is_leader": place.is_leader,
+        "full": full,
+        "head": head,
+        "tail": tail,
+        "steps": state["steps"],
+        "state": plain(state),
+        "round_trip": same(state, loaded),
         "skipping": [str(w.message) for w in caught if "skipping" in str(w.message)],
     }
 

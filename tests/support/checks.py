@@ -33,7 +33,9 @@ def verify(
         ]
         for rec in epoch_records:
             assert len(rec.steps) == steps, f"rank {rec.rank} got {len(rec.steps)} steps in epoch {epoch}, want {steps}"
-        verdicts = invariants.check(epoch_records, routing, lambda ids: sample_batch(ids, seq_len, packed), range(n_samples))
+        verdicts = invariants.check(
+            epoch_records, routing, lambda ids: sample_batch(ids, seq_len, packed), range(n_samples)
+        )
         failed = [f"{v.name}: {v.detail}" for v in verdicts if not v.ok]
         assert not failed, f"epoch {epoch}:\n" + "\n".join(failed)
         for rec in epoch_records:

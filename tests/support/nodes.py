@@ -104,7 +104,10 @@ def namespaces_refused() -> str | None:
     try:
         probe = subprocess.run(
             [*DIE_WITH_TEST, *NAMESPACES, "bash", "-c", AGENT, "node", "/dev/shm", "true"],
-            capture_output=True, text=True, timeout=60, check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         )
     except FileNotFoundError as e:
         return f"cannot make a node: {e}"
@@ -165,7 +168,9 @@ class RankEnd:
         how = "killed (no exit record)" if self.exit is None else f"exit {self.exit['code']}"
         if self.exit and self.exit["error"]:
             how += f": {self.exit['error'].splitlines()[0]}"
-        return f"rank {self.rank} on node {self.node} (group rank {self.group_rank}, local rank {self.local_rank}): {how}"
+        return (
+            f"rank {self.rank} on node {self.node} (group rank {self.group_rank}, local rank {self.local_rank}): {how}"
+        )
 
 
 @dataclass(frozen=True)
@@ -238,20 +243,42 @@ class Job:
 
     def _agent(self, node: Node, port: int, target: Sequence[str], monitor_interval: float) -> subprocess.Popen:
         torchrun = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(self.cluster.nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", self.dir.name,
-            "--rdzv-conf", f"is_host={int(node.index == 0)}", "--local-addr", f"127.0.0.{node.index + 1}",
-            "--monitor-interval", str(monitor_interval),
-            str(self.entry), *target,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            str(self.cluster.nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            self.dir.name,
+            "--rdzv-conf",
+            f"is_host={int(node.index == 0)}",
+            "--local-addr",
+            f"127.0.0.{node.index + 1}",
+            "--monitor-interval",
+            str(monitor_interval),
+            str(self.entry),
+            *target,
         ]
         env = {
-            **os.environ, "TMPDIR": str(node.tmp), "TWO_NODES_NODE": str(node.index),
+            **os.environ,
+            "TMPDIR": str(node.tmp),
+            "TWO_NODES_NODE": str(node.index),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(SUPPORT), os.environ.get("PYTHONPATH")])),
         }
         with open(self.dir / f"agent{node.index}.log", "w") as log:  # the agent holds its own copy
             return subprocess.Popen(
                 [*DIE_WITH_TEST, *NAMESPACES, "bash", "-c", AGENT, "node", str(node.shm), *torchrun],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.dir, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.dir,
+                start_new_session=True,
             )
 
     def where(self) -> dict[int, dict[str, int]]:
@@ -321,7 +348,10 @@ class Job:
         for rank, where in self.where().items():
             exit_file = self.dir / f"rank{rank}.exit.json"
             ranks[rank] = RankEnd(
-                rank, where["two_nodes_node"], where["group_rank"], where["local_rank"],
+                rank,
+                where["two_nodes_node"],
+                where["group_rank"],
+                where["local_rank"],
                 json.loads(exit_file.read_text()) if exit_file.exists() else None,
                 (self.dir / f"rank{rank}.log").read_text(errors="replace"),
             )

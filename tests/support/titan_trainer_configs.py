@@ -67,7 +67,9 @@ def record(pairs: Iterator[tuple[dict, torch.Tensor]], path: str) -> Iterator[tu
     """Pass ``pairs`` on; append each one's sample ids (from inputs and from labels) to ``path``."""
     for input_dict, labels in pairs:
         with open(path, "a") as f:
-            f.write(json.dumps({"input": input_dict["input"][:, 0].tolist(), "labels": (labels[:, 0] - 1).tolist()}) + "\n")
+            f.write(
+                json.dumps({"input": input_dict["input"][:, 0].tolist(), "labels": (labels[:, 0] - 1).tolist()}) + "\n"
+            )
         yield input_dict, labels
 
 
@@ -101,10 +103,16 @@ class Naive(BaseDataLoader):
 
         watch_opens(config.dataset_path, f"{config.record}.opens")
         self.record = f"{config.record}.rank{os.environ['RANK']}.jsonl"
-        dataset = StreamingDataset(local=config.dataset_path, batch_size=local_batch_size, shuffle=config.shuffle,
-                                   shuffle_seed=config.shuffle_seed, replication=config.replication)
-        self.loader = DataLoader(dataset, batch_size=local_batch_size,
-                                 collate_fn=functools.partial(titan_collate, seq_len=seq_len))
+        dataset = StreamingDataset(
+            local=config.dataset_path,
+            batch_size=local_batch_size,
+            shuffle=config.shuffle,
+            shuffle_seed=config.shuffle_seed,
+            replication=config.replication,
+        )
+        self.loader = DataLoader(
+            dataset, batch_size=local_batch_size, collate_fn=functools.partial(titan_collate, seq_len=seq_len)
+        )
 
     def __iter__(self) -> Iterator[tuple[dict, torch.Tensor]]:
         epochs = itertools.chain.from_iterable(self.loader for _ in itertools.count())

@@ -58,7 +58,11 @@ class World:
                 raise TimeoutError(f"a world of {self.size} ranks did not start within {STARTUP_TIMEOUT}s") from None
 
     def run(
-        self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, dying: frozenset[int] = frozenset(),
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = 120.0,
+        dying: frozenset[int] = frozenset(),
         **kwargs: Any,
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; raise with every failing rank's traceback,

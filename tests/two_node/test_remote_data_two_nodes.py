@@ -51,8 +51,13 @@ def rank_main(argv: list[str]) -> None:
     dims, shape = parse_mesh(a.mesh)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
     source = StreamingSource(
-        mesh, remote=a.remote, local=os.path.join(tempfile.gettempdir(), CACHE), batch_size=BATCH, shuffle=True,
-        shuffle_seed=7, placement=a.placement,
+        mesh,
+        remote=a.remote,
+        local=os.path.join(tempfile.gettempdir(), CACHE),
+        batch_size=BATCH,
+        shuffle=True,
+        shuffle_seed=7,
+        placement=a.placement,
     )
     loader = CollectiveLoader(
         source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, timeout=120, placement=a.placement
@@ -94,9 +99,13 @@ def test_only_the_leaders_nodes_fetch(s3, tmp_path: Path, placement: str, leader
 
     records = {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(8)}
     verdicts = invariants.check(
-        [invariants.RankRecord(p.rank, p.dp_rank, p.stage, p.shard, rec["batches"])
-         for p, rec in ((rec["place"], rec) for rec in records.values())],
-        Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", ()), lambda ids: expected(ids, SEQ), range(SAMPLES),
+        [
+            invariants.RankRecord(p.rank, p.dp_rank, p.stage, p.shard, rec["batches"])
+            for p, rec in ((rec["place"], rec) for rec in records.values())
+        ],
+        Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", ()),
+        lambda ids: expected(ids, SEQ),
+        range(SAMPLES),
     )
     assert all(v.ok for v in verdicts), [f"{v.name}: {v.detail}" for v in verdicts if not v.ok]
 

@@ -60,8 +60,21 @@ def run_demo(
     cluster: nodes.Cluster, data: str, mesh: str, placement: str = "spread", **start: float
 ) -> tuple[nodes.Result, nodes.Job]:
     job = cluster.start(
-        ["-m", "collective_loader", "demo", "--data", data, "--mesh", mesh, "--seq-len", str(SEQ),
-         "--batch-size", str(BATCH), "--placement", placement],
+        [
+            "-m",
+            "collective_loader",
+            "demo",
+            "--data",
+            data,
+            "--mesh",
+            mesh,
+            "--seq-len",
+            str(SEQ),
+            "--batch-size",
+            str(BATCH),
+            "--placement",
+            placement,
+        ],
         **start,
     )
     return job.wait(JOB_TIMEOUT), job
@@ -125,8 +138,21 @@ def test_a_rank_failing_in_the_demo_report_ends_both_nodes(tmp_path: Path, data:
     replica 1's leader on a middle stage, as the report's original KeyError needed."""
     with nodes.Cluster(tmp_path, nproc=4) as cluster:
         job = cluster.start(
-            [str(nodes.SUPPORT / "failing_demo.py"), "report", "0", "--data", data, "--mesh", "pp=4,dp=2",
-             "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--timeout", "60"],
+            [
+                str(nodes.SUPPORT / "failing_demo.py"),
+                "report",
+                "0",
+                "--data",
+                data,
+                "--mesh",
+                "pp=4,dp=2",
+                "--seq-len",
+                str(SEQ),
+                "--batch-size",
+                str(BATCH),
+                "--timeout",
+                "60",
+            ],
             monitor_interval=5.0,
         )
         result = job.wait(JOB_TIMEOUT)

@@ -98,7 +98,9 @@ class Reference:
         middle = (
             tuple(sorted({lead} | {r for r in members if 0 < self.pp_rank(r) < self.pp - 1})) if self.pp > 2 else None
         )
-        return ReplicaGroups(dp_rank=dp, leader=lead, ranks=tuple(sorted(members)), first=first, last=last, middle=middle)
+        return ReplicaGroups(
+            dp_rank=dp, leader=lead, ranks=tuple(sorted(members)), first=first, last=last, middle=middle
+        )
 
 
 def check_layout(layout: MeshLayout, ref: Reference):

@@ -28,5 +28,5 @@ def test_titan_configs_module_path_serves_the_integration():
     shim = importlib.import_module("collective_loader.titan_configs")
     real = importlib.import_module("collective_loader.integrations.titan_configs")
     assert shim.TitanTrainer is real.TitanTrainer and shim.with_collective_loader is real.with_collective_loader
-    config = getattr(shim, "llama3_debugmodel")()
+    config = shim.llama3_debugmodel()
     assert type(config).__qualname__ == "TitanTrainer.Config"

@@ -205,7 +205,9 @@ def test_shard_unshard_roundtrip(sizes, mult, dim, layout, dtype):
     assert sorted(torch.cat([p.reshape(-1) for p in id_pieces]).tolist()) == list(range(numel))
 
 
-@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=2), mult=st.integers(1, 4), layout=st.sampled_from(LAYOUTS))
+@given(
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=2), mult=st.integers(1, 4), layout=st.sampled_from(LAYOUTS)
+)
 @PROPS
 def test_positions_partition_sequence(sizes, mult, layout):
     length = mult * divisor([(s, 0) for s in sizes], layout)

@@ -23,8 +23,13 @@ SAMPLES, SEQ, SHARD_BYTES = 256, 16, 1 << 11  # 14 shards of about 19 samples
 def test_a_cache_that_thrashes_still_ends_every_epoch_with_every_sample(tmp_path, seed):
     write_dataset(str(tmp_path / "remote"), SAMPLES, SEQ, shard_bytes=SHARD_BYTES)
     dataset = DownloadFailureRaisingDataset(
-        remote=str(tmp_path / "remote"), local=str(tmp_path / "cache"), batch_size=4, shuffle=True,
-        shuffle_seed=seed, cache_limit=4 * SHARD_BYTES, predownload=SAMPLES,  # 4 shards' room, all 14 wanted ahead
+        remote=str(tmp_path / "remote"),
+        local=str(tmp_path / "cache"),
+        batch_size=4,
+        shuffle=True,
+        shuffle_seed=seed,
+        cache_limit=4 * SHARD_BYTES,
+        predownload=SAMPLES,  # 4 shards' room, all 14 wanted ahead
     )
     epochs: list[list[int]] = []
     errors: list[BaseException] = []
