@@ -77,7 +77,7 @@ class CollectiveLoader:
             device's backend (NCCL on a CUDA mesh, gloo on a CPU mesh), posted by the training
             thread inside ``next()``; for payloads that need NVLink/InfiniBand bandwidth. Every
             rank must then call ``next()`` once per step, and no other thread may issue NCCL
-            collectives meanwhile (see the README's "GPUs").
+            collectives meanwhile (see ``docs/gpus.md``).
         prefetch: steps the transfer runs ahead of the training loop; default
             ``max(2, pipeline stages)``.
         timeout: seconds any rank waits in one collective before raising :class:`DeliveryError`.

@@ -2,7 +2,7 @@
 
 Pure logic: nothing here talks to ``torch.distributed``, so it can be tested without processes.
 
-Vocabulary (see the README's role table):
+Vocabulary (see the role table in ``docs/concepts.md``):
 
 * a *data* dim splits the global batch; ranks that share all data-dim coordinates form a *replica*;
 * the *pipeline* dim (at most one) orders the stages of a replica;

@@ -203,7 +203,7 @@ def test_predownload_bounds_how_far_ahead_the_leader_fetches(world, s3, remote, 
 
 
 def assert_failed_everywhere(results, *texts: str) -> None:
-    print(f"rank 0 raised LeaderError: {results[0][1]}")  # the README quotes these (pytest -s)
+    print(f"rank 0 raised LeaderError: {results[0][1]}")  # docs/failures.md quotes these (pytest -s)
     for rank, (taken, error, _) in enumerate(results):
         assert error is not None, f"rank {rank} took {len(taken)} steps and raised nothing"
         for text in texts:

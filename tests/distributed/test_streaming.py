@@ -59,7 +59,7 @@ def _build(data, dims, shape, batch_size, **kw):
         shuffle_seed=7,
         num_canonical_nodes=2,
         num_workers=workers,
-        # forked workers of these big test processes were ~10x slower (see the README)
+        # forked workers of these big test processes were ~10x slower (docs/streaming.md, 'DataLoader workers')
         dataloader_kwargs={"multiprocessing_context": "forkserver"} if workers else None,
     )
     return CollectiveLoader(source, mesh, inputs=INPUTS, labels=LABELS, seq_dims=SEQ_DIMS, **kw)

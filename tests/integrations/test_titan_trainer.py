@@ -9,7 +9,7 @@ same global batches, the seed's naive set-up does not (slow), a restart from Tor
 checkpoint continues with the same losses and samples, and only one process per replica opens
 the dataset. ``python -m pytest -m slow tests/integrations/test_titan_trainer.py`` adds the naive set-up, tp,
 dp_replicate, pp x dp_shard x tp, the 1F1B and GPipe schedules, and 16-step runs. cp does not run on a CPU:
-TorchTitan's CPU attention has no context-parallel path (see the README).
+TorchTitan's CPU attention has no context-parallel path (see ``docs/torchtitan.md``).
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def test_other_parallelisms_train_with_the_losses_of_pp1(data, reference, name):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_sixteen_steps(data):
-    """The README's loss table: ``python -m pytest -m slow tests/integrations/test_titan_trainer.py -k sixteen -s``."""
+    """The loss table of ``docs/torchtitan.md``: ``python -m pytest -m slow tests/integrations/test_titan_trainer.py -k sixteen -s``."""
     flags = ("--checkpoint.load_only",)
     runs = {
         "pp=1 x dp_shard=2": train(data, "16-pp1-dp2", steps=16, flags=flags),

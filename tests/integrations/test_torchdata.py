@@ -46,7 +46,7 @@ def make_source(kind: str, num_workers: int, dp_rank: int, dp_size: int):
     """The replica's data loader (called on leaders only, by the CollectiveLoader)."""
     ds = Samples()
     sampler = DistributedSampler(ds, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=SEED)
-    # forkserver: forked workers of a process with gloo threads start slowly (README, "DataLoader workers")
+    # forkserver: forked workers of a process with gloo threads start slowly (docs/streaming.md, "DataLoader workers")
     context = {"multiprocessing_context": "forkserver"} if num_workers else {}
     cls = DataLoader if kind == "plain" else StatefulDataLoader
     return cls(ds, batch_size=BATCH, sampler=sampler, num_workers=num_workers, **context)
