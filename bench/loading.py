@@ -38,7 +38,6 @@ import json
 import math
 import os
 import platform
-import resource
 import shutil
 import statistics
 import sys
@@ -50,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from machine import machine  # bench/machine.py: run as python bench/<name>.py
+from machine import cpu_seconds, machine, peak_rss_bytes, rss_bytes  # bench/machine.py: run as python bench/<name>.py
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
@@ -147,20 +146,6 @@ class Collate:
 
 
 # --- one rank -----------------------------------------------------------------------------------
-
-
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def drain(batches: Iterable[dict[str, Any]], start: float) -> tuple[list[int], float]:

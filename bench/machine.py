@@ -1,9 +1,10 @@
-"""What machine a benchmark ran on, for the header of its results."""
+"""What machine a benchmark ran on, for the header of its results, and what one process of it used."""
 
 from __future__ import annotations
 
 import os
 import platform
+import resource
 
 
 def machine() -> str:
@@ -12,3 +13,23 @@ def machine() -> str:
         model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({model}), {ram:.0f} GiB RAM"
+
+
+def cpu_seconds(children: bool = False) -> float:
+    """User + system CPU seconds of this process (``children``: plus its waited-for children, e.g.
+    DataLoader workers that have exited)."""
+    used = [resource.getrusage(resource.RUSAGE_SELF)]
+    if children:
+        used.append(resource.getrusage(resource.RUSAGE_CHILDREN))
+    return sum(r.ru_utime + r.ru_stime for r in used)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB

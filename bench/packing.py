@@ -33,7 +33,6 @@ import ast
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import sys
@@ -46,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from machine import machine  # bench/machine.py: run as python bench/<name>.py
+from machine import cpu_seconds, machine  # bench/machine.py: run as python bench/<name>.py
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
@@ -120,11 +119,6 @@ def corpus(max_chars: int) -> list[str]:
 # --- one rank -----------------------------------------------------------------------------------
 
 
-def cpu_seconds() -> float:
-    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
-
-
 def trained(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
     """(tokens of documents, token slots) in a batch of rows: a row's tokens are the labels that
     are not ignored, plus its first token."""
@@ -139,7 +133,7 @@ def rank_main(args: tuple[Settings, str]) -> int:
     mesh = init_device_mesh("cpu", MESH[1], mesh_dim_names=MESH[0])
     layout, packing = TextColumn(s.tokenizer), Packing(SEQ_LEN)
     dist.barrier()
-    cpu0, start = cpu_seconds(), time.perf_counter()
+    cpu0, start = cpu_seconds(children=True), time.perf_counter()
     tokens = slots = steps = 0
     if variant == "every_rank_tokenizes":
         from collective_loader.streaming.indexed import IndexedDataset  # a StreamingDataset giving sample indices
@@ -181,7 +175,7 @@ def rank_main(args: tuple[Settings, str]) -> int:
         loader_.close()  # joins the DataLoader workers: their CPU is in RUSAGE_CHILDREN from here
     record = {
         "rank": rank,
-        "cpu": cpu_seconds() - cpu0,
+        "cpu": cpu_seconds(children=True) - cpu0,
         "wall": wall,
         "tokens": tokens,
         "slots": slots,

@@ -30,7 +30,6 @@ import gc
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import sys
@@ -41,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from machine import machine  # bench/machine.py: run as python bench/<name>.py
+from machine import cpu_seconds, machine, peak_rss_bytes, rss_bytes  # bench/machine.py: run as python bench/<name>.py
 
 from collective_loader import mesh_place
 from collective_loader.testing import launch
@@ -125,20 +124,6 @@ def register(s: Settings) -> None:
     DATASETS["bench_text"] = DatasetConfig(
         path=f"{s.root}/text", loader=load_local, sample_processor=lambda x: x["text"]
     )
-
-
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def rank_main(args: tuple[Settings, str, str]) -> int:
