@@ -10,8 +10,8 @@ are built on one leader per replica and deliver every batch to the replica's oth
         --parallelism.pipeline_parallel_degree 2
 
 For your own config function: ``return load_once_per_replica(my_config())``. To read an MDS
-dataset of token ids instead (:class:`TitanStreamingDataLoader`):
-``return with_collective_loader(my_config(), dataset_path="/data/mds")``.
+dataset instead (:class:`TitanStreamingDataLoader`: token ids, or text the leaders tokenize with
+the Trainer's tokenizer and pack): ``return with_collective_loader(my_config(), dataset_path="/data/mds")``.
 
 TorchTitan builds its dataloader with ``config.dataloader.build(dp_world_size=, dp_rank=,
 tokenizer=, seq_len=, local_batch_size=, snapshot_every_n_steps=)``, without the mesh, which the
@@ -33,7 +33,7 @@ import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 import tyro
@@ -44,57 +44,135 @@ from torchtitan.trainer import Trainer
 from collective_loader.integrations.titan import TitanDataLoader
 from collective_loader.integrations.titan_wrap import wrap_dataloader
 from collective_loader.streaming import StreamingSource, lm_collate
+from collective_loader.streaming.source import LeaderStream
+from collective_loader.text import Packing, TextColumn, TokenColumn
+from collective_loader.text.layouts import INTEGER_TYPES, Layout
 
 __all__ = [
     "DATA_MESH",
     "CollectiveMesh",
     "TitanStreamingDataLoader",
     "TitanTrainer",
+    "check_columns",
     "collective_trainer_config",
     "load_once_per_replica",
+    "read_as",
     "titan_collate",
+    "titan_inputs",
     "with_collective_loader",
 ]
 
 DATA_MESH = ["pp", "batch", "cp", "tp"]  # TorchTitan's data-loading mesh (ParallelDims.build_mesh)
+PACKED_KEYS = {"input_ids": "input", "position_ids": "positions"}  # a packed batch's inputs -> TorchTitan's
 
 
 def titan_collate(
-    samples: Sequence[Mapping[str, Any]], *, seq_len: int, column: str = "tokens"
+    samples: Sequence[Mapping[str, Any]], *, seq_len: int, column: str = "tokens", dtype: str | None = None
 ) -> dict[str, torch.Tensor]:
     """MDS samples of ``seq_len + 1`` tokens -> the batch TorchTitan's text loader yields, labels included.
 
-    ``positions`` restart at 0 in every sample (one document per sample), as TorchTitan's
-    per-document positions do; its attention masks are built from them.
+    ``column`` holds an integer ndarray, or bytes of ``dtype`` (LLM Foundry's ``token_encoding_type``,
+    int64 when ``None``). ``positions`` restart at 0 in every sample (one document per sample), as
+    TorchTitan's per-document positions do; its attention masks are built from them.
 
     >>> import numpy as np
     >>> b = titan_collate([{"tokens": np.arange(4)}], seq_len=3)
     >>> b["input"].tolist(), b["positions"].tolist(), b["labels"].tolist()
     ([[0, 1, 2]], [[0, 1, 2]], [[1, 2, 3]])
     """
-    batch = lm_collate(samples, key=column)
+    batch = lm_collate(samples, key=column, dtype=dtype)
     if batch["input_ids"].shape[1] != seq_len:
         raise ValueError(
             f"the MDS column {column!r} holds {batch['input_ids'].shape[1] + 1} tokens per sample and "
-            f"training.seq_len is {seq_len}: write samples of seq_len + 1 tokens, or set "
-            f"--training.seq_len {batch['input_ids'].shape[1]}"
+            f"training.seq_len is {seq_len}: write samples of seq_len + 1 tokens, set "
+            f"--training.seq_len {batch['input_ids'].shape[1]}, or pack them (--dataloader.pack)"
         )
     return {"input": batch["input_ids"], "positions": batch["position_ids"], "labels": batch["labels"]}
 
 
-class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
-    """TorchTitan's dataloader, built by its Trainer: a ``StreamingDataset`` of pre-tokenized
-    samples on one leader per data-parallel replica, each micro-batch delivered to every rank.
+def titan_inputs(input_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A delivered batch's inputs under TorchTitan's names (a packed batch's ``input_ids`` and
+    ``position_ids``); other keys, TorchTitan's already, are kept.
 
-    Yields ``({"input": ..., "positions": ...}, labels)`` of ``local_batch_size`` samples (the
+    >>> list(titan_inputs({"input_ids": torch.zeros(1), "position_ids": torch.zeros(1)}))
+    ['input', 'positions']
+    """
+    return {PACKED_KEYS.get(key, key): value for key, value in input_dict.items()}
+
+
+def check_columns(layout: Layout, columns: Mapping[str, str]) -> None:
+    """Refuse a dataset whose columns (name -> MDS encoding) ``layout`` cannot read, naming the
+    ``--dataloader`` flag to change. Run on the leaders once the dataset is built.
+
+    >>> check_columns(TokenColumn("tokens", "uint16"), {"tokens": "bytes"})
+    >>> check_columns(TokenColumn("tokens"), {"text": "str"})
+    Traceback (most recent call last):
+    ...
+    ValueError: the dataset has no column 'tokens' (it has: text (str)): set --dataloader.column to the column of token ids, or --dataloader.text for a column of text
+    """
+    column = layout.column
+    if column not in columns:
+        has = ", ".join(f"{name} ({encoding})" for name, encoding in columns.items())
+        what = (
+            "of text" if isinstance(layout, TextColumn) else "of token ids, or --dataloader.text for a column of text"
+        )
+        raise ValueError(
+            f"the dataset has no column {column!r} (it has: {has}): set --dataloader.column to the column {what}"
+        )
+    encoding = columns[column]
+    if isinstance(layout, TextColumn):
+        if encoding != "str":
+            raise ValueError(
+                f"--dataloader.text: column {column!r} holds {encoding}, not text (str): leave out --dataloader.text to "
+                "read token ids (with --dataloader.token_dtype for bytes)"
+            )
+    elif encoding == "str":
+        raise ValueError(
+            f"column {column!r} holds text (str): set --dataloader.text to tokenize it on the leaders with the "
+            "Trainer's tokenizer (--hf_assets_path)"
+        )
+    elif encoding.startswith("ndarray"):
+        if layout.dtype is not None:
+            raise ValueError(
+                f"--dataloader.token_dtype reads token ids written as bytes; column {column!r} holds {encoding}, read "
+                "as its own type: leave out --dataloader.token_dtype"
+            )
+    elif encoding != "bytes":
+        raise ValueError(
+            f"column {column!r} holds {encoding}: token ids are bytes (with --dataloader.token_dtype, LLM Foundry's "
+            "token_encoding_type) or an integer ndarray; for text set --dataloader.text"
+        )
+
+
+def _checked(source: StreamingSource) -> LeaderStream:
+    """``source()`` (a leader's stream), its dataset's columns checked against the source's layout."""
+    stream = source()
+    shards = stream.dataset.shards
+    if shards:
+        check_columns(source.layout, dict(zip(shards[0].column_names, shards[0].column_encodings)))
+    return stream
+
+
+class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
+    """TorchTitan's dataloader, built by its Trainer: a ``StreamingDataset`` read on one leader per
+    data-parallel replica, each micro-batch delivered to every rank.
+
+    The dataset is one of LLM Foundry's layouts (``docs/text-data.md``): token ids as bytes of
+    ``token_dtype`` or as an integer ndarray, one row of ``seq_len + 1`` tokens per sample, or
+    documents of any length packed into such rows (``pack``); or ``text``, tokenized on the leaders
+    (and their DataLoader workers) with the ``tokenizer`` the Trainer builds from
+    ``--hf_assets_path``, and packed. Packed rows carry per-document ``positions`` (0 at each
+    document and each row), from which TorchTitan's block-causal attention builds its masks.
+
+    Yields ``({"input": ..., "positions": ...}, labels)`` of ``local_batch_size`` rows (the
     pipeline micro-batch when pp > 1), on every rank of every stage. Its checkpoint state is
-    :class:`~collective_loader.integrations.titan.TitanDataLoader`'s. ``tokenizer`` is not used (the samples
-    are token ids already) and ``snapshot_every_n_steps`` is not needed (the state is taken
-    right after every consumed batch).
+    :class:`~collective_loader.integrations.titan.TitanDataLoader`'s (packed: the leaders' hand-over,
+    gathered by ``CollectiveLoader.state_dict``). ``snapshot_every_n_steps`` is not needed (the
+    state is taken right after every consumed batch).
 
     Example (what the Trainer does; ``config.dataloader`` is this class's ``Config``)::
 
-        dataloader = config.dataloader.build(dp_world_size=2, dp_rank=0, tokenizer=None,
+        dataloader = config.dataloader.build(dp_world_size=2, dp_rank=0, tokenizer=tokenizer,
                                              seq_len=2048, local_batch_size=8)
         for input_dict, labels in dataloader:
             ...
@@ -103,13 +181,32 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         """``--dataloader.<field>``. ``dataset_path`` (from ``BaseDataLoader.Config``) is the local
-        directory of an MDS dataset whose ``column`` holds ``seq_len + 1`` token ids per sample."""
+        directory of an MDS dataset (with ``remote``: its cache)."""
 
         remote: str | None = None
         """Where streaming downloads shards from into ``dataset_path`` (None: local only)."""
 
-        column: str = "tokens"
-        """The MDS column of token ids."""
+        column: str | None = None
+        """The MDS column: ``tokens`` by default, ``text`` with ``text``."""
+
+        token_dtype: str | None = None
+        """Token ids written as bytes: their type (LLM Foundry's ``token_encoding_type``; int64 when
+        not given, as there). An ndarray column is read as its own type."""
+
+        text: bool = False
+        """The column holds text: tokenize it on the leaders with the Trainer's tokenizer
+        (``--hf_assets_path``) and pack it."""
+
+        pack: bool = False
+        """Samples are documents of any length: pack them into rows of ``seq_len + 1`` tokens (text
+        is always packed)."""
+
+        at_end: Literal["pad", "drop"] = "pad"
+        """Packing: the epoch's last partial row and batch are padded (labels -100) or dropped."""
+
+        documents_per_batch: int | None = None
+        """Packing: samples per DataLoader batch on a leader (default: the dataloader's batch, the
+        micro-batch under pp). Keep it fixed to keep the rows when the micro-batch changes."""
 
         shuffle: bool = True
         shuffle_seed: int = 9176
@@ -117,7 +214,7 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
         """Streaming's; keep it fixed to keep the sample order when the DP degree changes."""
 
         num_workers: int = 0
-        """DataLoader workers per leader."""
+        """DataLoader workers per leader (they read, and tokenize text)."""
 
         infinite: bool = True
         """Start a new epoch when the dataset ends, as TorchTitan's own text loader does."""
@@ -147,23 +244,30 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
                 "(with_collective_loader(config) does)"
             )
         if not config.dataset_path:
-            raise ValueError(
-                f"set --dataloader.dataset_path to the local directory of an MDS dataset with a column "
-                f"{config.column!r} of seq_len + 1 token ids per sample"
-            )
+            raise ValueError("set --dataloader.dataset_path to the local directory of an MDS dataset")
+        layout, packing = read_as(config, tokenizer, seq_len)
+        if packing is None:
+            assert isinstance(layout, TokenColumn)
+            rows: dict[str, Any] = {
+                "collate": functools.partial(titan_collate, seq_len=seq_len, column=layout.column, dtype=layout.dtype)
+            }
+        else:
+            rows = {"packing": packing, "documents_per_batch": config.documents_per_batch}
         source = StreamingSource(
             mesh,
             local=config.dataset_path,
             remote=config.remote,
             batch_size=local_batch_size,
-            collate=functools.partial(titan_collate, seq_len=seq_len, column=config.column),
+            layout=layout,
             shuffle=config.shuffle,
             shuffle_seed=config.shuffle_seed,
             num_canonical_nodes=config.num_canonical_nodes,
             num_workers=config.num_workers,
             timeout=config.timeout,
+            **rows,
         )
-        super().__init__(source, mesh, inputs=("input", "positions"), timeout=config.timeout)
+        inputs = tuple(PACKED_KEYS) if packing else tuple(PACKED_KEYS.values())
+        super().__init__(functools.partial(_checked, source), mesh, inputs=inputs, timeout=config.timeout)
         if (self.dp_rank, self.dp_world_size) != (dp_rank, dp_world_size):
             raise ValueError(
                 f"the mesh puts this rank in replica {self.dp_rank} of {self.dp_world_size}, the Trainer in "
@@ -175,12 +279,52 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
     def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
         for epoch in itertools.count():
             delivered = False
-            for pair in super().__iter__():
+            for input_dict, labels in super().__iter__():
                 delivered = True
-                yield pair
+                yield titan_inputs(input_dict), labels
             # a resumed epoch may have nothing left; a fresh one that is empty never fills
             if not self.infinite or (epoch > 0 and not delivered):
                 return
+
+
+def read_as(config: TitanStreamingDataLoader.Config, tokenizer: Any, seq_len: int) -> tuple[Layout, Packing | None]:
+    """How the leaders read the dataset of ``config``: its layout, and the packing when documents
+    are packed. Options that do not fit together raise ``ValueError`` naming the flag to change
+    (on every rank: the Trainer builds the dataloader on every rank).
+
+    >>> read_as(TitanStreamingDataLoader.Config(token_dtype="uint16"), None, seq_len=8)
+    (TokenColumn(column='tokens', dtype='uint16'), None)
+    >>> read_as(TitanStreamingDataLoader.Config(pack=True), None, seq_len=8)[1]
+    Packing(seq_len=8, at_end='pad', boundaries=('position_ids',))
+    """
+    if config.token_dtype is not None and config.token_dtype not in INTEGER_TYPES:
+        raise ValueError(
+            f"--dataloader.token_dtype {config.token_dtype}: token ids are integers; give one of "
+            f"{', '.join(INTEGER_TYPES)} (the token_encoding_type they were written with)"
+        )
+    layout: Layout
+    if config.text:
+        if config.token_dtype is not None:
+            raise ValueError(
+                "--dataloader.token_dtype reads token ids written as bytes; with --dataloader.text the column is text, "
+                "tokenized on the leaders: leave out --dataloader.token_dtype"
+            )
+        if tokenizer is None:
+            raise ValueError(
+                "--dataloader.text tokenizes with the tokenizer the Trainer builds, and it passed none: set "
+                "--hf_assets_path to the directory of its tokenizer.json"
+            )
+        layout = TextColumn(tokenizer, column=config.column or "text")
+    else:
+        layout = TokenColumn(config.column or "tokens", config.token_dtype)
+    if config.text or config.pack:
+        return layout, Packing(seq_len, config.at_end, ("position_ids",))
+    if config.documents_per_batch is not None or config.at_end != "pad":
+        raise ValueError(
+            "--dataloader.documents_per_batch and --dataloader.at_end say how documents are packed: add "
+            "--dataloader.pack (token ids of any length) or --dataloader.text, or leave them out"
+        )
+    return layout, None
 
 
 class CollectiveMesh:

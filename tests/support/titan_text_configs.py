@@ -1,6 +1,7 @@
 """Test configs for TorchTitan's own Trainer on TorchTitan's own dataloaders (``--module titan_text_configs``,
 run by ``tests/support/titan_cpu.py``), each unwrapped (``text``, ...) and wrapped by
-``load_once_per_replica`` (``text_wrapped``, ...).
+``load_once_per_replica`` (``text_wrapped``, ...); and ``mds``: ``TitanStreamingDataLoader`` on an
+MDS dataset (``--dataloader.*``), tokenizing with the Trainer's tokenizer, without validation.
 
 All are TorchTitan's stock ``llama3_debugmodel`` with the CPU adjustments (``titan_cpu.cpu_config``),
 the tokenizer in ``--hf_assets_path`` (``titan_text.CountingTokenizer``, a BPE trained by the test)
@@ -32,7 +33,7 @@ from torchtitan.hf_datasets.text_datasets import (
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.trainer import Trainer
 
-from collective_loader.integrations.titan_configs import load_once_per_replica
+from collective_loader.integrations.titan_configs import load_once_per_replica, with_collective_loader
 
 VALIDATION_FREQ, VALIDATION_STEPS = 4, 2
 
@@ -58,10 +59,16 @@ class Recording(Trainer):
             yield input_dict, labels
 
 
+def _recording(config: Trainer.Config) -> Recording.Config:
+    config = cpu_config(config)
+    config.tokenizer = titan_text.CountingTokenizer.Config()
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    return Recording.Config(**fields)
+
+
 def _config(dataloader: Any) -> Recording.Config:
     data = os.environ["CL_DATA"]
-    config = cpu_config(llama3_debugmodel())
-    config.tokenizer = titan_text.CountingTokenizer.Config()
+    config = _recording(llama3_debugmodel())
     config.dataloader = dataloader
     config.validator = Validator.Config(
         enable=True,
@@ -69,8 +76,12 @@ def _config(dataloader: Any) -> Recording.Config:
         steps=VALIDATION_STEPS,
         dataloader=HuggingFaceTextDataLoader.Config(dataset="cl_val", dataset_path=f"{data}/val"),
     )
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    return Recording.Config(**fields)
+    return config
+
+
+def mds() -> Trainer.Config:
+    """``TitanStreamingDataLoader`` (every field from ``--dataloader.*``), no validation."""
+    return with_collective_loader(_recording(llama3_debugmodel()))
 
 
 def text() -> Recording.Config:
