@@ -53,12 +53,9 @@ __all__ = [
     "CollectiveMesh",
     "TitanStreamingDataLoader",
     "TitanTrainer",
-    "check_columns",
     "collective_trainer_config",
     "load_once_per_replica",
-    "read_as",
     "titan_collate",
-    "titan_inputs",
     "with_collective_loader",
 ]
 

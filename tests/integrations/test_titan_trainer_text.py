@@ -26,6 +26,7 @@ import titan_run
 import titan_text
 import torch
 
+from collective_loader import LeaderError
 from collective_loader.integrations.titan_configs import (
     TitanStreamingDataLoader,
     check_columns,
@@ -113,6 +114,76 @@ def test_packed_batches_reach_the_trainer_under_its_names():
     assert list(titan_inputs(packed)) == ["input", "positions"]
     rows = {"input": torch.zeros(1, 4), "positions": torch.zeros(1, 4)}  # titan_collate's already
     assert titan_inputs(rows).keys() == rows.keys()
+
+
+# --- the loader on ranks, without the Trainer ---------------------------------------------------
+
+LOADER_STEPS, LOADER_STOP = 6, 2  # micro-batches taken uninterrupted; the step a checkpoint is taken after
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory) -> str:
+    """A tokenizer and a text dataset, for the loader without the Trainer."""
+    root = str(tmp_path_factory.mktemp("titan_text_loader"))
+    texts = titan_text.documents(120, seed=7)
+    titan_text.write_tokenizer(f"{root}/tokenizer", texts, vocab_size=512)
+    write_text(f"{root}/text", texts)
+    return root
+
+
+def titan_text_loader(mesh, root: str, **fields) -> TitanStreamingDataLoader:
+    """The loader as the Trainer builds it, with TorchTitan's tokenizer."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    config = TitanStreamingDataLoader.Config(dataset_path=f"{root}/text", text=True, timeout=60, **fields)
+    config._mesh = mesh
+    tokenizer = HuggingFaceTokenizer(tokenizer_path=f"{root}/tokenizer")
+    return config.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=16, local_batch_size=2)
+
+
+def take(dataloader: TitanStreamingDataLoader, steps: int) -> list[dict[str, list]]:
+    out = []
+    for input_dict, labels in dataloader:
+        out.append({**{k: v.tolist() for k, v in input_dict.items()}, "labels": labels.tolist()})
+        if len(out) == steps:
+            return out
+    raise AssertionError(f"the loader ended after {len(out)} steps")
+
+
+def text_loader_run(root: str) -> dict:
+    """On this rank of pp=2 x dp=1 (rank 0 leads): micro-batches uninterrupted; then STOP, TorchTitan's
+    state bytes, a new loader resumed from them; then a dataset read with the wrong flag."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1, 1, 1), mesh_dim_names=("pp", "batch", "cp", "tp"))
+    full_loader = titan_text_loader(mesh, root)
+    full = take(full_loader, LOADER_STEPS)
+    full_loader.close()
+    first = titan_text_loader(mesh, root)
+    head = take(first, LOADER_STOP)
+    state = first.state_dict()  # every rank, after the same step: the leaders gather the hand-over
+    first.close()
+    resumed = titan_text_loader(mesh, root)
+    resumed.load_state_dict(state)
+    tail = take(resumed, LOADER_STEPS - LOADER_STOP)
+    resumed.close()
+    try:
+        titan_text_loader(mesh, root, column="missing")
+        refused = ""
+    except LeaderError as e:  # the leader's refusal, raised on every rank while the loader is built
+        refused = str(e)
+    return {"rank": dist.get_rank(), "full": full, "head": head, "tail": tail, "refused": refused}
+
+
+@pytest.mark.timeout(300)
+def test_the_text_loader_delivers_to_every_stage_resumes_from_its_state_and_refuses_a_wrong_column(worlds, text_data):
+    records = worlds.get(2).run(text_loader_run, text_data, timeout=240)
+    first, last = records
+    assert first["full"] == last["full"] and set(first["full"][0]) == {"input", "positions", "labels"}
+    for rec in records:
+        assert rec["head"] + rec["tail"] == rec["full"], rec["rank"]  # the resume continues exactly
+        assert "no column 'missing'" in rec["refused"] and "set --dataloader.column" in rec["refused"], rec
 
 
 # --- TorchTitan's Trainer ---------------------------------------------------------------------
