@@ -194,6 +194,7 @@ class Run:
     losses: dict[int, float]  # step -> TorchTitan's logged global loss
     batches: dict[int, list[dict]]  # rank -> what its training loop took, per next()
     touches: dict[str, set[int]]  # event -> ranks (see titan_text.touched)
+    encoders: dict[int, set[int]]  # rank -> the processes (pids) that tokenized for it
     seconds: float
 
 
@@ -285,7 +286,13 @@ def train(
     for rank in range(ranks):
         with open(f"{out}.rank{rank}.jsonl") as f:
             batches[rank] = [json.loads(line) for line in f]
-    run = Run(titan_run.losses(out, ranks - ranks // pp), batches, titan_text.read_touches(f"{out}.touches"), seconds)
+    encoders: dict[int, set[int]] = {}
+    with open(f"{out}.touches") as f:
+        for event, rank, pid in (line.rsplit(" ", 2) for line in f):
+            if event == "encode":
+                encoders.setdefault(int(rank), set()).add(int(pid))
+    touches = titan_text.read_touches(f"{out}.touches")
+    run = Run(titan_run.losses(out, ranks - ranks // pp), batches, touches, encoders, seconds)
     print(f"\n{name}: {ranks} ranks, {seconds:.0f}s, losses {[run.losses[s] for s in sorted(run.losses)]}")
     return run
 
@@ -403,3 +410,4 @@ def test_the_leaders_workers_tokenize(data):
     assert sorted(run.losses) == list(range(1, STEPS + 1))
     assert_packed(run, data.bos)
     assert_leaders_only(run)
+    assert all(len(pids) == 2 for pids in run.encoders.values()), run.encoders  # each leader's two workers
