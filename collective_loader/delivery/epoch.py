@@ -51,6 +51,7 @@ class Epoch(Iterator[Batch]):
         self.source_state = resume["source"] if resume is not None else None
         self._source_iter: Iterator[Mapping[str, Any]] | None = None
         self._finished = False
+        self._host = settings.transport == "host"  # next() takes each item as the transfer thread made it
         self._posted: protocol.Posted | None = None  # device transport: the next step, on its way
         self._copies: collections.deque = collections.deque()  # (event, host tensors) of copies in flight
         place = settings.place
@@ -86,7 +87,7 @@ class Epoch(Iterator[Batch]):
         debug = log.isEnabledFor(logging.DEBUG)
         started = time.perf_counter() if debug else 0.0
         try:
-            item = self._next_item()
+            item = self._prefetch.take() if self._host else self._next_item()
         except DeliveryError:
             self._finish()
             raise
@@ -109,13 +110,13 @@ class Epoch(Iterator[Batch]):
             )
         while self._copies and self._copies[0][0].query():
             self._copies.popleft()  # their copies are done: the host buffers may be reused
-        if item.event is not None:
-            self._copies.append((item.event, item.host))
+        if item.event is None:
+            return item.batch
+        self._copies.append((item.event, item.host))
         return hand_over(item.batch, item.event)
 
     def _next_item(self) -> protocol.Item:
-        if self.settings.transport == "host":
-            return self._prefetch.take()
+        """Device transport: this step's item, its tensor bytes moved, after posting the next step's."""
         posted = self._posted or protocol.post(self.settings, self._prefetch.take())
         self._posted = None
         if posted.item.kind == Kind.DATA:

@@ -26,7 +26,7 @@ The two transports have one shape: ``step(k)`` (transfer thread, gloo only) then
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -92,16 +92,6 @@ class _Step:
             item.host = host
         return item
 
-    @contextlib.contextmanager
-    def _collectives(self, what: str) -> Iterator[None]:
-        """Turn a failed or timed-out collective into a DeliveryError saying who waited for what."""
-        try:
-            yield
-        except (WireError, DeliveryError):
-            raise
-        except RuntimeError as e:
-            raise _delivery_error(self.settings, what, e) from e
-
 
 class LeaderStep(_Step):
     """A replica's leader. ``load(step)`` returns the next batch (``StopIteration`` at the end),
@@ -140,8 +130,8 @@ class LeaderStep(_Step):
             kind, message, cause = Kind.SOURCE_ERROR, f"{type(e).__name__}: {e}", e
         if self.watch.stalled:  # the watchdog has told everyone; the collectives are its now
             return Item(Kind.SOURCE_ERROR, step)
-        with self._collectives(f"gave up delivering step {step} to its replica"):
-            return self._deliver(step, kind, message, cause, packed, state)
+        what = f"gave up delivering step {step} to its replica"
+        return self._deliver_or_explain(what, step, kind, message, cause, packed, state)
 
     def stalled(self, step: int) -> Item:
         """Watchdog thread: the source is still loading ``step``; say so on every rank."""
@@ -149,11 +139,30 @@ class LeaderStep(_Step):
             f"still loading step {step} after {self.watch.after:.0f}s: the source has not returned a batch "
             f"(timeout={self.settings.timeout}s; a leader reports a stall after {STALL_AFTER:.0%} of it)"
         )
+        what = f"gave up reporting a stalled source at step {step}"
         try:
-            with self._collectives(f"gave up reporting a stalled source at step {step}"):
-                return self._deliver(step, Kind.SOURCE_ERROR, message, None, {}, None)
+            return self._deliver_or_explain(what, step, Kind.SOURCE_ERROR, message, None, {}, None)
         except DeliveryError as e:
             return Item(Kind.DELIVERY_ERROR, step, error=e)
+
+    def _deliver_or_explain(
+        self,
+        what: str,
+        step: int,
+        kind: Kind,
+        message: str,
+        cause: BaseException | None,
+        packed: dict[str, _Packed],
+        state: Any,
+    ) -> Item:
+        """:meth:`_deliver`, a failed or timed-out collective turned into a DeliveryError saying who
+        waited for what (a try, not a context manager: it runs every step)."""
+        try:
+            return self._deliver(step, kind, message, cause, packed, state)
+        except DeliveryError:
+            raise
+        except RuntimeError as e:
+            raise _delivery_error(self.settings, what, e) from e
 
     def _deliver(
         self, step: int, kind: Kind, message: str, cause: BaseException | None, packed: dict[str, _Packed], state: Any
@@ -298,8 +307,11 @@ class MemberStep(_Step):
     def step(self, step: int) -> Item:
         settings = self.settings
         channel = self._channel
-        with self._collectives(f"waited for leader rank {channel.leader} to deliver step {step} and gave up"):
+        try:
             header, payload = channel.recv(settings.max_batch_bytes)
+        except RuntimeError as e:  # a failed or timed-out collective (see LeaderStep.step)
+            what = f"waited for leader rank {channel.leader} to deliver step {step} and gave up"
+            raise _delivery_error(settings, what, e) from e
         if header.step != step:
             raise WireError(f"expected step {step} from leader rank {channel.leader}, got step {header.step}")
         if header.kind == Kind.END:

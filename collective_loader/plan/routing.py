@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -74,9 +75,25 @@ class Routing:
         elif self.split not in sharding.SPLITS:
             raise ValueError(f"split must be one of {sharding.SPLITS} or a PerDocument(...), got {self.split!r}")
 
-    @property
+    @cached_property
     def keys(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(self.inputs + self.labels + self.every_stage))
+
+    @cached_property
+    def _stage_keys(self) -> dict[str, frozenset[str]]:
+        """The keys each stage receives (see :meth:`select`); looked up once per step and stage."""
+        return {
+            "first": frozenset(self.inputs + self.every_stage),
+            "last": frozenset(self.labels + self.every_stage),
+            "both": frozenset(self.keys),
+            "middle": frozenset(self.every_stage),
+        }
+
+    @cached_property
+    def _divisor(self) -> int:
+        """What every ``seq_dims`` length must be a multiple of (not under a per-document split)."""
+        assert not isinstance(self.split, PerDocument)
+        return sharding.divisor([(size, 0) for _, size in self.shard_dims], self.split)
 
     def check(self, batch: Any) -> None:
         """Raise :class:`BatchError` unless ``batch`` can be delivered whole to every rank."""
@@ -85,7 +102,8 @@ class Routing:
         missing = [k for k in self.keys if k not in batch]
         if missing:
             raise BatchError(f"batch is missing keys {missing} (it has {sorted(map(str, batch))})")
-        extra = [k for k in batch if k not in self.keys]
+        known = self._stage_keys["both"]
+        extra = [k for k in batch if k not in known]
         computed = [k for k in extra if isinstance(self.split, PerDocument) and k in documents.METADATA]
         if computed:
             raise BatchError(
@@ -101,7 +119,7 @@ class Routing:
         if isinstance(self.split, PerDocument):
             self.split.check(batch, self.seq_dims)
             return
-        need = sharding.divisor([(size, 0) for _, size in self.shard_dims], self.split)
+        need = self._divisor
         if need == 1:  # nothing is split: any length will do
             return
         over = " x ".join(f"{n}={s}" for n, s in self.shard_dims)
@@ -115,12 +133,7 @@ class Routing:
 
     def select(self, batch: Mapping[str, Any], stage: str) -> dict[str, Any]:
         """The keys a stage (``first``, ``last``, ``both``, ``middle``) receives, in batch order."""
-        wanted = {
-            "first": self.inputs + self.every_stage,
-            "last": self.labels + self.every_stage,
-            "both": self.keys,
-            "middle": self.every_stage,
-        }[stage]
+        wanted = self._stage_keys[stage]
         return {k: v for k, v in batch.items() if k in wanted}
 
     def piece(self, selected: Mapping[str, Any], levels: Sequence[tuple[int, int]]) -> dict[str, Any]:
