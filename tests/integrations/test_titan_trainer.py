@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +82,7 @@ class Run:
     openers: list[tuple[int, int]]  # (rank, pid) of every process that opened the dataset
     replica: dict[int, int]  # rank -> data-parallel replica
     seconds: float
+    log: str  # torchrun's output, every rank's lines prefixed with [rank<r>]
 
 
 @dataclass
@@ -130,7 +132,9 @@ def train(
     # TorchTitan numbers the ranks (pp, batch, cp, tp), outermost first
     replica = {rank: rank // inner % dp for rank in range(ranks)}
     print(f"\n{name}: {ranks} ranks, {seconds:.0f}s, losses {[losses[s] for s in sorted(losses)]}")
-    return Run(losses, ids, openers, replica, seconds)
+    with open(f"{out}.log") as f:
+        log = f.read()
+    return Run(losses, ids, openers, replica, seconds, log)
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +217,20 @@ def test_pipeline_parallel_trains_with_the_losses_of_pp1(reference, pipelined):
     steps = global_batches(pipelined, BATCH)
     assert sorted(i for step in steps[:EPOCH_STEPS] for i in step) == list(range(EPOCH_STEPS * BATCH * DP))
     assert steps[EPOCH_STEPS:] != steps[: STEPS - EPOCH_STEPS]  # the second epoch is another permutation
+
+
+def test_the_loaders_decisions_appear_in_torchtitans_log(pipelined):
+    """TorchTitan configures the root logger at INFO, so the loader's construction lines reach its log:
+    rank 0 the whole mesh's, each replica's leader its own. torchrun prefixes each line with
+    ``[default<local rank>]:`` (one node: the rank)."""
+    lines = [
+        line for line in pipelined.log.splitlines() if "collective_loader.loader - INFO - CollectiveLoader:" in line
+    ]
+    mesh = [line for line in lines if "CollectiveLoader: mesh [" in line]
+    assert len(mesh) == 1 and mesh[0].startswith("[default0]:"), mesh
+    assert "2 replicas" in mesh[0] and "transport=host" in mesh[0], mesh
+    leaders = [int(re.match(r"\[default(\d+)\]:", line).group(1)) for line in lines if " leads replica " in line]
+    assert sorted(pipelined.replica[rank] for rank in leaders) == [0, 1], lines
 
 
 @pytest.mark.slow  # 45 s; the seed's set-up is reproduced in the default run by test_streaming and the demo
