@@ -155,20 +155,10 @@ def data(tmp_path_factory) -> Data:
         "--checkpoint.enable",
     ]
     seed = os.path.join(root, "seed")
-    torchrun(
-        1,
-        "ours",
-        [
-            *flags,
-            f"--dump_folder={seed}",
-            f"--dataloader.record={seed}",
-            "--checkpoint.create_seed_checkpoint",
-            "--debug.seed=0",
-        ],
-        seed,
-        timeout=300,
+    load_seed = titan_run.seed_checkpoint(
+        "titan_trainer_configs", "ours", [*flags, f"--dataloader.record={seed}"], seed
     )
-    return Data(root, [*flags, f"--checkpoint.initial_load_path={seed}/checkpoint/step-0"])
+    return Data(root, [*flags, load_seed])
 
 
 @pytest.fixture(scope="module")

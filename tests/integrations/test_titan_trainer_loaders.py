@@ -73,16 +73,8 @@ def data(tmp_path_factory) -> Data:
         "--checkpoint.enable",
     ]
     seed = f"{root}/seed"
-    titan_run.torchrun(
-        1,
-        "titan_text_configs",
-        "text",
-        [*flags, f"--dump_folder={seed}", "--checkpoint.create_seed_checkpoint", "--debug.seed=0"],
-        seed,
-        timeout=300,
-        env=_env(env, seed),
-    )
-    return Data(root, env, [*flags, f"--checkpoint.initial_load_path={seed}/checkpoint/step-0"])
+    load_seed = titan_run.seed_checkpoint("titan_text_configs", "text", flags, seed, env=_env(env, seed))
+    return Data(root, env, [*flags, load_seed])
 
 
 def _env(env: dict[str, str], out: str) -> dict[str, str]:

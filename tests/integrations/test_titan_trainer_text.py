@@ -251,17 +251,9 @@ def data(tmp_path_factory) -> Data:
         "--checkpoint.enable",
     ]
     seed = f"{root}/seed"
-    titan_run.torchrun(
-        1,
-        "titan_text_configs",
-        "mds",
-        [*flags, f"--dump_folder={seed}", "--checkpoint.create_seed_checkpoint", "--debug.seed=0"],
-        seed,
-        timeout=300,
-        env=_env(env, seed),
-    )
+    load_seed = titan_run.seed_checkpoint("titan_text_configs", "mds", flags, seed, env=_env(env, seed))
     bos = Tokenizer.from_file(f"{root}/tokenizer/tokenizer.json").token_to_id(BOS)
-    return Data(root, env, [*flags, f"--checkpoint.initial_load_path={seed}/checkpoint/step-0"], bos)
+    return Data(root, env, [*flags, load_seed], bos)
 
 
 def _env(env: dict[str, str], out: str) -> dict[str, str]:

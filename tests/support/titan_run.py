@@ -39,6 +39,15 @@ def torchrun(
     return seconds
 
 
+def seed_checkpoint(module: str, config: str, flags: list[str], out: str, env: dict[str, str] | None = None) -> str:
+    """TorchTitan's own seed checkpoint (``--checkpoint.create_seed_checkpoint`` on one rank, weights
+    from ``--debug.seed=0``) under ``out``, so that runs on different meshes start from the same
+    weights. Returns the flag that starts a run from it."""
+    seed_flags = [*flags, f"--dump_folder={out}", "--checkpoint.create_seed_checkpoint", "--debug.seed=0"]
+    torchrun(1, module, config, seed_flags, out, timeout=300, env=env)
+    return f"--checkpoint.initial_load_path={out}/checkpoint/step-0"
+
+
 def _torchrun(
     ranks: int, module: str, config: str, flags: list[str], out: str, timeout: float, env: dict[str, str] | None
 ) -> tuple[float, int, str]:
