@@ -34,7 +34,6 @@ import gc
 import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from machine import machine  # bench/machine.py: run as python bench/<name>.py
+from machine import run_meta  # bench/machine.py: run as python bench/<name>.py
 from torch.distributed.device_mesh import init_device_mesh
 
 from collective_loader import CollectiveLoader
@@ -860,16 +859,9 @@ def main(argv: list[str] | None = None) -> int:
             records = [json.loads(line) for line in f]
     results = {
         "meta": {
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-            "machine": machine(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "command": " ".join(["python bench/delivery.py", *sys.argv[1:]]),
-            "seconds": time.time() - start,
+            **run_meta("delivery.py", start, load_before),
             "rounds": s.rounds,
             "skip": SKIP,
-            "load_before": " ".join(f"{x:.1f}" for x in load_before),
-            "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
             "settings": dataclasses.asdict(s) | {"out": None},
         },
         "delivery": [r for r in records if r["kind"] == "delivery"],

@@ -37,7 +37,6 @@ import gc
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -49,7 +48,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from machine import cpu_seconds, machine, peak_rss_bytes, rss_bytes  # bench/machine.py: run as python bench/<name>.py
+from machine import (  # bench/machine.py: run as python bench/<name>.py
+    cpu_seconds,
+    peak_rss_bytes,
+    rss_bytes,
+    run_meta,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
@@ -526,14 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [{**run, "fetched": fetched} for run, fetched in zip(runs, fetches, strict=True)]
     results = {
         "meta": {
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-            "machine": machine(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "command": " ".join(["python bench/loading.py", *sys.argv[1:]]),
-            "seconds": time.time() - start,
-            "load_before": " ".join(f"{x:.1f}" for x in load_before),
-            "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+            **run_meta("loading.py", start, load_before),
             "settings": dataclasses.asdict(s) | {"data": None, "out": None},
         },
         "runs": [

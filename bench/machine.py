@@ -1,10 +1,14 @@
-"""What machine a benchmark ran on, for the header of its results, and what one process of it used."""
+"""What machine a benchmark ran on and when, for the header of its results, and what one process of it used."""
 
 from __future__ import annotations
 
 import os
 import platform
 import resource
+import sys
+import time
+
+import torch
 
 
 def machine() -> str:
@@ -33,3 +37,18 @@ def rss_bytes() -> int:
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def run_meta(script: str, start: float, load_before: tuple[float, ...]) -> dict[str, object]:
+    """The header every benchmark records: date, machine, versions, the command as run, its
+    seconds since ``start`` (``time.time()``) and the load average before and now."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": " ".join([f"python bench/{script}", *sys.argv[1:]]),
+        "seconds": time.time() - start,
+        "load_before": " ".join(f"{x:.1f}" for x in load_before),
+        "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+    }

@@ -35,7 +35,6 @@ import gc
 import itertools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from machine import machine  # bench/machine.py: run as python bench/<name>.py
+from machine import run_meta  # bench/machine.py: run as python bench/<name>.py
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset
 
@@ -666,16 +665,9 @@ def main(argv: list[str] | None = None) -> int:
             records = [json.loads(line) for line in f]
     results = {
         "meta": {
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-            "machine": machine(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "command": " ".join(["python bench/step_cost.py", *sys.argv[1:]]),
-            "seconds": time.time() - start,
+            **run_meta("step_cost.py", start, load_before),
             "rounds": s.rounds,
             "labels": labels,
-            "load_before": " ".join(f"{x:.1f}" for x in load_before),
-            "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
             "settings": dataclasses.asdict(s) | {"out": None},
         },
         "versions": {v: summarize(records, v) for v in paths},

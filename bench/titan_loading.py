@@ -29,7 +29,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -38,9 +37,13 @@ import tempfile
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from machine import cpu_seconds, machine, peak_rss_bytes, rss_bytes  # bench/machine.py: run as python bench/<name>.py
+from machine import (  # bench/machine.py: run as python bench/<name>.py
+    cpu_seconds,
+    peak_rss_bytes,
+    rss_bytes,
+    run_meta,
+)
 
 from collective_loader import mesh_place
 from collective_loader.testing import launch
@@ -278,14 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(["python bench/titan_loading.py", *sys.argv[1:]]),
-        "seconds": time.time() - start,
-        "load_before": " ".join(f"{x:.1f}" for x in load_before),
-        "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        **run_meta("titan_loading.py", start, load_before),
         "settings": dataclasses.asdict(s) | {"root": None},
     }
     text = markdown(meta, runs)
