@@ -24,6 +24,10 @@ all of the below, its own raw-broadcast limit included; tables give the median o
 4. *Step time against a raw broadcast* (the ``prefetch=1`` epoch's slowest-rank p50 over the raw
    broadcast's, as in ``bench/delivery.py``) and the *exposed wait* of the host-idle 20 ms step
    (mean time in ``next()``, slowest rank per step, over 20 ms).
+5. *This machine's floor*, in every world: the wall time of the least a ``next()`` can do (one
+   ``put`` and one ``get`` on a ``queue.SimpleQueue``) right after the same 20 ms sleep; and the
+   CPU time of a fixed piece of Python and torch work (``python_work(COLD_ROUNDS)``) back to back
+   and right after a 100 µs sleep (a transfer thread's work follows its wait in a collective).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import gc
 import itertools
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -64,6 +69,8 @@ STEP = 0.020  # seconds of a training step: the host-idle sleep and the Python-b
 LEADER = 0
 WORKERS = 2  # DataLoader worker processes per rank
 BLOCK = 20  # steps of the Python-bound loop each feed runs in its turn
+COLD_ROUNDS = 10  # rounds of python_work in the floor's fixed piece of work
+IDLE = 100e-6  # seconds of sleep before the piece of work "after an idle"
 # the issue's targets (issue 23)
 CPU_LIMIT = 1.5  # transfer-thread CPU per step over the raw broadcast thread's
 NEXT_LIMIT = 20e-6  # seconds inside next() for a ready batch
@@ -348,6 +355,32 @@ def loop_case(s: Settings, mesh: Any, sync: dist.ProcessGroup, k: int, nbytes: i
     }
 
 
+def floor_case(n: int) -> dict[str, Any]:
+    """Measure 5: this rank's floor for ``next()`` after a 20 ms sleep, and a fixed piece of work's
+    CPU back to back and after a short sleep (medians over ``n``)."""
+    q: queue.SimpleQueue[None] = queue.SimpleQueue()
+    x = torch.ones(16)
+    floor, hot, cold = [], [], []
+    for _ in range(n):
+        time.sleep(STEP)
+        start = time.perf_counter()
+        q.put(None)
+        q.get()
+        floor.append(time.perf_counter() - start)
+    for sleep, into in ((0.0, hot), (IDLE, cold)):
+        for _ in range(n):
+            if sleep:
+                time.sleep(sleep)
+            start = time.thread_time()
+            python_work(COLD_ROUNDS, x)
+            into.append(time.thread_time() - start)
+    return {
+        "next_floor": gather(statistics.median(floor)),
+        "work_hot": gather(statistics.median(hot)),
+        "work_after_idle": gather(statistics.median(cold)),
+    }
+
+
 def rotate(runs: dict[str, Callable[[], Any]], k: int) -> dict[str, Any]:
     """Every run once, starting at the ``k``-th (mod len): rounds rotate the order."""
     names = list(runs)
@@ -375,6 +408,7 @@ def world_main(s: Settings) -> int:
         record["payloads"].append(payload_case(s, mesh, raw_group, nbytes))
     for nbytes in s.loop_payloads:
         record["loops"].append(loop_case(s, mesh, sync, k, nbytes))
+    record["floor"] = floor_case(s.loop_steps)
     record["load_after"] = os.getloadavg()[0]
     if dist.get_rank() == 0:
         with open(s.out, "a") as f:
@@ -467,6 +501,11 @@ def summarize(records: list[dict[str, Any]], version: str) -> dict[str, Any]:
                 row[f"{what}_{role}"] = median_of(rows, what, rank)
         row["exposed"] = median_of(rows, "exposed")
         out["loops"][nbytes] = row
+    out["floor"] = {
+        f"{what}_{role}": median_of([r["floor"] for r in mine], what, rank)
+        for what in ("next_floor", "work_hot", "work_after_idle")
+        for role, rank in roles
+    }
     out["work_rounds"] = [r["work_rounds"] for r in mine]
     out["load"] = [(r["load_before"], r["load_after"]) for r in mine]
     return out
@@ -631,6 +670,25 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {n} | {size(nbytes)} | {p['loader_step'] * 1e3:.3f} | {p['raw_step'] * 1e3:.3f} | "
                 f"{p['step_ratio']:.2f} |"
+            )
+    lines += [
+        "",
+        "## 5. This machine's floor",
+        "",
+        "In every world, each rank: *next() floor*, the median wall time of one `put` and one `get` on a "
+        "`queue.SimpleQueue` right after a 20 ms sleep (the least a `next()` does); *work*, the median CPU time of "
+        f"the same {COLD_ROUNDS} rounds of `python_work` (small torch ops) back to back and right after a "
+        f"{IDLE * 1e6:.0f} µs sleep, the way a transfer thread's Python follows its wait in a collective.",
+        "",
+        "| version | role | next() floor | work, back to back | work, after an idle | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in names:
+        f = versions[n]["floor"]
+        for role in ("leader", "receiver"):
+            lines.append(
+                f"| {n} | {role} | {us(f[f'next_floor_{role}'])} | {us(f[f'work_hot_{role}'])} | "
+                f"{us(f[f'work_after_idle_{role}'])} | {f[f'work_after_idle_{role}'] / f[f'work_hot_{role}']:.2f} |"
             )
     return "\n".join(lines) + "\n"
 

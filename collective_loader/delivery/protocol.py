@@ -42,6 +42,10 @@ from collective_loader.plan import wire
 from collective_loader.plan.wire import Header, Kind
 
 Batch = dict[str, Any]
+# a host tensor of at least this many bytes is broadcast from its own memory, in a collective of
+# its own, instead of being copied into the step's message: on this project's machines copying
+# 1 MiB costs about what one more small collective costs (bench/results/step_cost.md)
+APART_MIN_BYTES = 1 << 20
 # a leader whose source has not returned a batch after this share of `timeout` reports itself
 # stalled (by 0.8 x timeout, see StallWatch), so its peers, who wait at most `timeout` for it,
 # hear why before they give up
@@ -70,8 +74,9 @@ class _Packed:
 
     message: Any  # the message, or the i-th member's message per member (scatter)
     header: Header  # of the leader's own message (on a scattered channel, every message's size)
-    batch: Batch  # the leader's own host batch: views of its own message
+    batch: Batch  # the leader's own host batch: views of its own message (tensors sent apart: as given)
     layout: wire.Layout  # the description of the leader's own message
+    apart: list[torch.Tensor] = field(default_factory=list)  # broadcast after the message, in order
 
 
 class _Step:
@@ -183,7 +188,7 @@ class LeaderStep(_Step):
             for name, channel in groups.channels.items():
                 try:
                     if channel.carries_data:
-                        channel.send(packed[name].message, packed[name].header)
+                        channel.send(packed[name].message, packed[name].header, packed[name].apart)
                     else:
                         channel.send_plan(Kind.DATA, step)
                 except RuntimeError as e:
@@ -246,9 +251,11 @@ class LeaderStep(_Step):
         stage = "both" if self.place.pp_size == 1 else channel.name
         selected = routing.select(batch, stage)
         if settings.delivery == "broadcast":
-            message, header, views, described = self._message(channel, step, selected, ())
-            return _Packed(message, header, routing.piece(described.batch(views), self.place.shard), described)
-        by_levels: dict[tuple, tuple[torch.Tensor, Header, list[torch.Tensor], wire.Layout]] = {}
+            message, header, views, plan = self._message(channel, step, selected, ())
+            assert plan.layout is not None
+            own = routing.piece(plan.layout.batch(views), self.place.shard)
+            return _Packed(message, header, own, plan.layout, plan.apart)
+        by_levels: dict[tuple, tuple[torch.Tensor, Header, list[torch.Tensor], wire.Plan]] = {}
         for rank in channel.ranks:
             levels = layout.place(rank).shard
             if levels not in by_levels:
@@ -256,24 +263,30 @@ class LeaderStep(_Step):
         headers = {(h.payload_nbytes, h.meta_nbytes) for _, h, _, _ in by_levels.values()}
         assert len(headers) == 1, headers  # equal shapes per shard, so equal sizes
         messages = [by_levels[layout.place(r).shard][0] for r in channel.ranks]
-        _, header, views, described = by_levels[self.place.shard]
-        return _Packed(messages, header, described.batch(views), described)
+        _, header, views, plan = by_levels[self.place.shard]
+        assert plan.layout is not None
+        return _Packed(messages, header, plan.layout.batch(views), plan.layout)
 
     def _message(
         self, channel: Channel, step: int, batch: Mapping[str, Any], shard: tuple
-    ) -> tuple[torch.Tensor, Header, list[torch.Tensor], wire.Layout]:
-        """``(message, header, its views of the batch's tensors, its description)``."""
+    ) -> tuple[torch.Tensor, Header, list[torch.Tensor], wire.Plan]:
+        """``(message, header, the batch's tensors: its views of them or as given, its plan)``.
+
+        On a broadcast channel of the host transport large host tensors travel apart
+        (:data:`APART_MIN_BYTES`); a scatter sends one message per member, and the device
+        transport moves the tensor bytes as one buffer of its own.
+        """
         key = (channel.name, shard)
         encoder = self._encoders.get(key)
         if encoder is None:
-            encoder = self._encoders[key] = wire.Encoder()
+            apart = not channel.scattered and channel.data_group is None
+            encoder = self._encoders[key] = wire.Encoder(APART_MIN_BYTES if apart else None)
         plan = encoder.plan(batch)
         if plan.nbytes > self.settings.max_batch_bytes:
             raise BatchError(
                 f"a {channel.name}-stage payload is {plan.nbytes} bytes; max_batch_bytes is {self.settings.max_batch_bytes}"
             )
-        assert plan.layout is not None
-        return (*channel.message(Kind.DATA, step, plan), plan.layout)
+        return (*channel.message(Kind.DATA, step, plan), plan)
 
     def _failure(self, what: str, error: BaseException) -> str:
         place = self.place
@@ -321,7 +334,14 @@ class MemberStep(_Step):
                 return Item(Kind.DATA, step)
             if channel.data_group is not None:
                 return Item(Kind.DATA, step, receive=(channel, header, payload))
-            batch = channel.decoder.unpack(payload, header.meta_nbytes)
+            layout = channel.decoder.layout(payload, header.meta_nbytes)
+            if header.apart_nbytes:
+                try:
+                    channel.recv_apart(payload, layout.apart(header.inline_nbytes))
+                except RuntimeError as e:
+                    what = f"waited for leader rank {channel.leader} to deliver step {step}'s large tensors and gave up"
+                    raise _delivery_error(settings, what, e) from e
+            batch = layout.batch(layout.views(payload))
             if not channel.scattered:
                 batch = settings.routing.piece(batch, self.place.shard)
             return self._on_device(Item(Kind.DATA, step), batch)

@@ -101,6 +101,8 @@ class Channel:
     carries_data: bool = True
     data_group: dist.ProcessGroup | None = None
     frame_nbytes: int = wire.HEADER_BYTES
+    # members: the host bytes of the previous message (its whole payload, apart tensors included)
+    message_nbytes: int = wire.HEADER_BYTES
     # what this rank moved through the channel: the leader counts bytes it sends to each peer
     collectives: int = 0
     bytes_sent: int = 0
@@ -119,19 +121,23 @@ class Channel:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def message(self, kind: Kind, step: int, plan: wire.Plan) -> tuple[torch.Tensor, Header, list[torch.Tensor]]:
-        """Leader: ``(host buffer, header, views)`` of the message announcing ``kind`` with
-        ``plan``; ``views`` are the buffer's views holding the plan's tensors."""
-        buf = self.buffer(wire.HEADER_BYTES + plan.nbytes)
-        views = wire.write_message(kind, step, plan, buf)
-        return buf, Header(kind, step, plan.nbytes, len(plan.meta)), views
+        """Leader: ``(host buffer, header, tensors)`` of the message announcing ``kind`` with
+        ``plan``; ``tensors`` are the plan's tensors: the buffer's views holding them, or the
+        tensors as given for those that travel apart."""
+        header = Header(kind, step, plan.nbytes, len(plan.meta), plan.apart_nbytes)
+        buf = self.buffer(wire.HEADER_BYTES + header.inline_nbytes)
+        return buf, header, wire.write_message(kind, step, plan, buf)
 
     def send_plan(self, kind: Kind, step: int, plan: wire.Plan = wire.NOTHING) -> None:
         """Leader: build one message and send it to every member over gloo."""
         buf, header, _ = self.message(kind, step, plan)
         self.send(buf, header)
 
-    def send(self, message: torch.Tensor | Sequence[torch.Tensor], header: Header) -> None:
-        """Leader: send a message (from :meth:`message`) over gloo.
+    def send(
+        self, message: torch.Tensor | Sequence[torch.Tensor], header: Header, apart: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """Leader: send a message (from :meth:`message`) over gloo, then each tensor that travels
+        apart (``apart``: the plan's, as bytes) in a broadcast of its own.
 
         With the device transport a DATA message's tensor bytes stay behind (they follow with
         :meth:`post_data`). On a scattered channel ``message`` may be a list, the i-th for the
@@ -149,11 +155,14 @@ class Channel:
                 dist.scatter(scratch, [m[piece] for m in parts], src=self.leader, group=self.group)
             self._count(piece.stop - piece.start)
         self.frame_nbytes = nbytes
+        for tensor in apart:
+            dist.broadcast(tensor, src=self.leader, group=self.group)
+            self._count(tensor.numel())
 
     def carried_nbytes(self, header: Header) -> int:
-        """How many payload bytes of the message ``header`` announces travel over gloo."""
+        """How many payload bytes of the message ``header`` announces travel in it over gloo."""
         if self.data_group is None or header.kind != Kind.DATA:
-            return header.payload_nbytes
+            return header.inline_nbytes
         return min(header.payload_nbytes, wire.data_start(header.meta_nbytes))
 
     def _pieces(self, nbytes: int) -> list[slice]:
@@ -168,25 +177,37 @@ class Channel:
             self.bytes_received += nbytes
 
     def recv(self, max_payload_bytes: int) -> tuple[Header, torch.Tensor]:
-        """Members: the next message's header and the payload bytes that came over gloo (a view of
-        the received buffer: the whole payload, or with the device transport a DATA message's
-        description only).
+        """Members: the next message's header and its payload in host memory (a view of the
+        received buffer: the whole payload, or with the device transport a DATA message's
+        description only). Tensors that travel apart are not received yet: see :meth:`recv_apart`.
 
         Raises :class:`~collective_loader.errors.WireError` for a header that does not decode or
         announces more than ``max_payload_bytes``.
         """
         frame = self.frame_nbytes
-        buf = self.buffer(frame)  # exactly frame bytes
-        self._recv_into(buf)
+        buf = self.buffer(max(frame, self.message_nbytes))  # the previous message's size: usually this one's
+        self._recv_into(buf[:frame])
         header = Header.read(buf, max_payload_bytes)
         nbytes = wire.HEADER_BYTES + self.carried_nbytes(header)
+        whole = (
+            nbytes
+            if self.data_group is not None and header.kind == Kind.DATA
+            else wire.HEADER_BYTES + header.payload_nbytes
+        )
+        if whole > buf.numel():
+            bigger = self.buffer(whole)
+            bigger[:frame].copy_(buf[:frame])
+            buf = bigger
         if nbytes > frame:
-            whole = self.buffer(nbytes)
-            whole[:frame].copy_(buf[:frame])
-            self._recv_into(whole[frame:nbytes])
-            buf = whole
-        self.frame_nbytes = nbytes
-        return header, buf[wire.HEADER_BYTES : nbytes]
+            self._recv_into(buf[frame:nbytes])
+        self.frame_nbytes, self.message_nbytes = nbytes, whole
+        return header, buf[wire.HEADER_BYTES : whole]
+
+    def recv_apart(self, payload: torch.Tensor, ranges: Sequence[slice]) -> None:
+        """Members: receive the tensors that travel apart into their ``ranges`` of ``payload``
+        (from :meth:`~collective_loader.plan.wire.Layout.apart`), in order."""
+        for where in ranges:
+            self._recv_into(payload[where])
 
     def _recv_into(self, buf: torch.Tensor) -> None:
         if self.scattered:

@@ -3,10 +3,16 @@
 A message on the wire is one uint8 buffer (:func:`write_message`):
 
 * the **header**, ``HEADER_WORDS`` int64 words (``HEADER_BYTES``): magic, version, kind, step,
-  payload size, meta size (see :class:`Header`);
+  payload size, meta size, apart size (see :class:`Header`);
 * the **payload**: a JSON *meta* document describing the batch's tree (keys, dtypes, shapes,
   byte offsets, plain values), padded to ``ALIGN`` bytes, then every tensor's bytes at an
   ``ALIGN``-aligned offset.
+
+A payload's last ``apart_nbytes`` bytes may be left out of the buffer: the tensors that lie there
+(large, contiguous host tensors; see :class:`Encoder`) then travel each in a collective of its
+own, straight from the sender's tensor, and the receiver receives them into their places in its
+payload (:meth:`Layout.apart`). The buffer then holds the header, the description and the small
+tensors, and the sender copies none of the large ones.
 
 The decoder checks every field against the buffer it was given before it creates a view, so
 corrupt or hostile input raises :class:`~collective_loader.errors.WireError` and never allocates
@@ -27,15 +33,15 @@ import json
 import math
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 
 from collective_loader.errors import BatchError, WireError
 
 MAGIC = 0x434C4C44  # "CLLD"
-VERSION = 2
+VERSION = 3
 HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8
 ALIGN = 64
@@ -97,10 +103,16 @@ class Header:
     step: int
     payload_nbytes: int
     meta_nbytes: int
+    apart_nbytes: int = 0  # the payload's last bytes, not in the message: its tensors follow one by one
+
+    @property
+    def inline_nbytes(self) -> int:
+        """The payload bytes inside the message itself."""
+        return self.payload_nbytes - self.apart_nbytes
 
     def words(self) -> tuple[int, ...]:
         """The header's ``HEADER_WORDS`` int64 words."""
-        words = (MAGIC, VERSION, int(self.kind), self.step, self.payload_nbytes, self.meta_nbytes)
+        words = (MAGIC, VERSION, int(self.kind), self.step, self.payload_nbytes, self.meta_nbytes, self.apart_nbytes)
         return words + (0,) * (HEADER_WORDS - len(words))
 
     def encode(self) -> torch.Tensor:
@@ -119,7 +131,7 @@ class Header:
     def read(cls, message: torch.Tensor, max_payload_bytes: int) -> Header:
         """Check and decode the header a received message starts with (uint8, CPU, at least
         ``HEADER_BYTES`` long); raise :class:`WireError` if anything is off."""
-        magic, version, kind, step, payload, meta = _HEADER.unpack_from(message.numpy().data)[:6]
+        magic, version, kind, step, payload, meta, apart = _HEADER.unpack_from(message.numpy().data)[:7]
         if magic != MAGIC or version != VERSION:
             raise WireError(f"bad header magic/version {magic:#x}/{version}: not a collective_loader peer")
         if kind not in _KINDS:
@@ -130,7 +142,9 @@ class Header:
             raise WireError(f"header announces {payload} payload bytes; the cap is {max_payload_bytes}")
         if not 0 <= meta <= min(payload, MAX_META_BYTES):
             raise WireError(f"header announces {meta} meta bytes for a payload of {payload}")
-        return cls(Kind(kind), step, payload, meta)
+        if apart and not (apart > 0 and (payload - apart) % ALIGN == 0 and payload - apart >= data_start(meta)):
+            raise WireError(f"header announces {apart} bytes apart of a payload of {payload} with {meta} meta bytes")
+        return cls(Kind(kind), step, payload, meta, apart)
 
 
 def _align(n: int) -> int:
@@ -150,12 +164,16 @@ class Plan:
     """Where everything of one batch goes in the payload; :func:`write` fills a buffer from it.
 
     ``layout``: the description as a receiver decodes it (None only for :data:`NOTHING`).
+    ``apart``: the tensors that travel apart, each as its bytes (a flat uint8 view of the
+    tensor as given, no copy), in payload order; they fill the payload's last ``apart_nbytes``.
     """
 
     meta: bytes
     tensors: list[tuple[int, torch.Tensor]]  # (byte offset, tensor as given)
     nbytes: int
     layout: Layout | None = None
+    apart: list[torch.Tensor] = field(default_factory=list)
+    apart_nbytes: int = 0
 
 
 def _check_value(value: Any, path: str, depth: int) -> None:
@@ -174,14 +192,37 @@ def _check_value(value: Any, path: str, depth: int) -> None:
 
 
 class _Walk:
-    """One batch's description tree, its tensors and their data offsets (relative to the data
-    start); ``exact`` while the tree holds only tensors and mappings with ``str`` keys, whose
-    equality is then the equality of their encoded descriptions."""
+    """One batch's description tree and its tensors, each with its node in the tree, whose
+    offset :meth:`place` fills in; ``exact`` while the tree holds only tensors and mappings with
+    ``str`` keys, whose equality is then the equality of their encoded descriptions."""
 
     def __init__(self) -> None:
-        self.tensors: list[tuple[int, torch.Tensor]] = []
-        self.nbytes = 0
+        self.tensors: list[tuple[dict[str, Any], torch.Tensor]] = []
         self.exact = True
+
+    def place(self, apart_min: int | None) -> tuple[list[tuple[int, torch.Tensor]], int, list[torch.Tensor], int]:
+        """Give every tensor its data offset (relative to the data start): the tensors that
+        travel apart (:func:`_goes_apart`) after all the others, each group in tree order.
+        Returns ``(offsets and tensors in tree order, data bytes, the apart tensors' bytes,
+        the apart data bytes)``."""
+        placed: list[tuple[int, torch.Tensor]] = []
+        later: list[tuple[int, dict[str, Any], torch.Tensor, int]] = []
+        nbytes = 0
+        for node, tensor in self.tensors:
+            size = tensor.numel() * tensor.element_size()
+            if apart_min is not None and size >= apart_min and _goes_apart(tensor):
+                later.append((len(placed), node, tensor, size))
+                placed.append((0, tensor))  # its offset follows below
+                continue
+            node["o"] = nbytes
+            placed.append((nbytes, tensor))
+            nbytes = _align(nbytes + size)
+        inline_end = nbytes
+        for i, node, tensor, size in later:
+            node["o"] = nbytes
+            placed[i] = (nbytes, tensor)
+            nbytes = _align(nbytes + size)
+        return placed, nbytes, [t.reshape(-1).view(torch.uint8) for _, _, t, _ in later], nbytes - inline_end
 
     def node(self, value: Any, path: str, depth: int) -> Any:
         if isinstance(value, torch.Tensor):
@@ -193,10 +234,9 @@ class _Walk:
             name = _NAMES.get(value.dtype)
             if name is None:
                 raise BatchError(f"tensor at {path!r} has dtype {value.dtype}, which is not delivered")
-            offset = self.nbytes
-            self.tensors.append((offset, value))
-            self.nbytes = _align(offset + value.numel() * value.element_size())
-            return {"T": name, "s": list(value.shape), "o": offset}
+            node = {"T": name, "s": list(value.shape), "o": 0}  # the offset: see place()
+            self.tensors.append((node, value))
+            return node
         if isinstance(value, Mapping):
             if depth >= MAX_DEPTH:
                 raise BatchError(f"mapping at {path!r} is nested deeper than {MAX_DEPTH}")
@@ -213,16 +253,42 @@ class _Walk:
         return {"V": value}
 
 
+def _goes_apart(tensor: torch.Tensor) -> bool:
+    """Whether a large ``tensor`` may travel in a collective of its own, from its own memory: on
+    the host, contiguous, and its bytes are its values."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and not tensor.requires_grad
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
 class Encoder:
     """Plans the batches of one stream of messages (a channel's, for one shard).
+
+    ``apart_min``: tensors of at least this many bytes (host, contiguous) travel apart, each in
+    a collective of its own straight from its memory, instead of being copied into the message
+    (None: every tensor is copied in).
 
     A batch whose description repeats the last one's (tensors of the same dtypes and shapes
     under the same keys) reuses its encoded description and :class:`Layout`: no JSON encoding,
     and no decoding of the leader's own message for its own batch. Plain values are encoded
     every time; their layout is reused when the encoded bytes are the same.
+
+    Example::
+
+        >>> ids = torch.zeros(4, 1024, dtype=torch.int64)    # 32 KiB
+        >>> p = Encoder(apart_min=16 << 10).plan({"ids": ids, "n": torch.ones(2)})
+        >>> p.apart_nbytes, p.apart[0].data_ptr() == ids.data_ptr(), p.nbytes - p.apart_nbytes
+        (32768, True, 128)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, apart_min: int | None = None) -> None:
+        if apart_min is not None and apart_min < 1:
+            raise ValueError(f"apart_min must be >= 1 or None, got {apart_min}")
+        self.apart_min = apart_min
         self._tree: Any = None  # the last exact tree, whose layout is self._layout
         self._layout: Layout | None = None
 
@@ -236,6 +302,7 @@ class Encoder:
             raise BatchError(f"a batch must be a mapping of str to tensors, got {type(batch).__qualname__}")
         walk = _Walk()
         tree = walk.node(batch, "", 0)
+        tensors, nbytes, apart, apart_nbytes = walk.place(self.apart_min)
         layout = self._layout
         if layout is None or not walk.exact or tree != self._tree:
             try:
@@ -245,10 +312,10 @@ class Encoder:
             if len(meta) > MAX_META_BYTES:
                 raise BatchError(f"batch description is {len(meta)} bytes; the limit is {MAX_META_BYTES}")
             if layout is None or meta != layout.meta:
-                layout = describe(meta, _align(len(meta)) + walk.nbytes)
+                layout = describe(meta, _align(len(meta)) + nbytes)
             self._tree, self._layout = (tree if walk.exact else None), layout
         start = _align(len(layout.meta))
-        return Plan(layout.meta, [(start + o, t) for o, t in walk.tensors], start + walk.nbytes, layout)
+        return Plan(layout.meta, [(start + o, t) for o, t in tensors], start + nbytes, layout, apart, apart_nbytes)
 
 
 def plan(batch: Mapping[str, Any]) -> Plan:
@@ -257,18 +324,23 @@ def plan(batch: Mapping[str, Any]) -> Plan:
 
 
 def write(plan_: Plan, out: torch.Tensor) -> list[torch.Tensor]:
-    """Fill ``out`` (uint8, CPU, ``plan_.nbytes`` long, on an ``ALIGN`` boundary of its storage)
-    with the planned payload; return the views of ``out`` that hold the batch's tensors, in plan
-    order."""
+    """Fill ``out`` (uint8, CPU, on an ``ALIGN`` boundary of its storage, at least the payload's
+    inline part: ``plan_.nbytes - plan_.apart_nbytes``) with the planned payload but the tensors
+    that travel apart; return the batch's tensors in plan order: views of ``out``, and the apart
+    tensors as given."""
     meta = plan_.meta
     if meta:
         out.numpy().data[: len(meta)] = meta
     if plan_.layout is None:
         return []
-    views = plan_.layout.views(out)
-    for view, (_, tensor) in zip(views, plan_.tensors):
-        # a copy into a typed view of the destination: any strides, conj/neg views and devices work
-        view.copy_(tensor.detach() if tensor.requires_grad else tensor, non_blocking=True)
+    views = plan_.layout.views(out, plan_.nbytes - plan_.apart_nbytes)
+    for i, (_, tensor) in enumerate(plan_.tensors):
+        view = views[i]
+        if view is None:  # travels apart: the batch keeps the tensor as given
+            views[i] = tensor
+        else:  # a copy into a typed view of the destination: any strides, conj/neg views and devices work
+            view.copy_(tensor.detach() if tensor.requires_grad else tensor, non_blocking=True)
+    return cast(list[torch.Tensor], views)
     return views
 
 
@@ -290,8 +362,9 @@ def write_message(kind: Kind, step: int, plan_: Plan, out: torch.Tensor) -> list
         >>> unpack(out[HEADER_BYTES : HEADER_BYTES + p.nbytes], header.meta_nbytes)
         {'x': tensor([1., 1.])}
     """
-    _HEADER.pack_into(out.numpy().data, 0, *Header(kind, step, plan_.nbytes, len(plan_.meta)).words())
-    return write(plan_, out[HEADER_BYTES : HEADER_BYTES + plan_.nbytes])
+    header = Header(kind, step, plan_.nbytes, len(plan_.meta), plan_.apart_nbytes)
+    _HEADER.pack_into(out.numpy().data, 0, *header.words())
+    return write(plan_, out[HEADER_BYTES : HEADER_BYTES + header.inline_nbytes])
 
 
 def pack(batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
@@ -324,20 +397,45 @@ class Layout:
     """
 
     meta: bytes
-    tensors: tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int], ...]  # dtype, shape, strides, byte offset
+    tensors: tuple[
+        tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int], ...
+    ]  # dtype, shape, strides, byte offset, numel
     template: Any  # the batch's tree: dicts, plain values, a _Slot per tensor
     end: int  # the payload bytes its tensors need
 
-    def views(self, payload: torch.Tensor) -> list[torch.Tensor]:
+    def views(self, payload: torch.Tensor, upto: int | None = None) -> list[Any]:
         """Every tensor, in description order, as a view of ``payload`` (uint8, 1-D, at least
-        ``end`` bytes, on an ``ALIGN`` boundary of its storage: the caller has checked)."""
+        ``end`` bytes, on an ``ALIGN`` boundary of its storage: the caller has checked).
+
+        ``upto``: only the tensors that lie below this payload offset; those at or beyond it
+        (that travel apart: :meth:`apart`) are ``None``, and ``payload`` may end there.
+        """
         storage, base, device = payload.untyped_storage(), payload.storage_offset(), payload.device
         return [
-            torch.empty(0, dtype=dtype, device=device).set_(
+            None
+            if upto is not None and offset >= upto and numel
+            else torch.empty(0, dtype=dtype, device=device).set_(
                 storage, (base + offset) // _ITEMSIZE[dtype], shape, strides
             )
-            for dtype, shape, strides, offset in self.tensors
+            for dtype, shape, strides, offset, numel in self.tensors
         ]
+
+    def apart(self, inline_end: int) -> list[slice]:
+        """The byte ranges of the payload that travel apart when its first ``inline_end`` bytes
+        are in the message: one per tensor at or beyond it (zero-size ones excepted), in
+        description order, the order the sender sends them in. Raises :class:`WireError` for a
+        tensor that lies across ``inline_end``."""
+        ranges = []
+        for dtype, _, _, offset, numel in self.tensors:
+            end = offset + numel * _ITEMSIZE[dtype]
+            if not numel or end <= inline_end:
+                continue
+            if offset < inline_end:
+                raise WireError(
+                    f"a tensor at payload bytes {offset}-{end} lies across the message's end at {inline_end}"
+                )
+            ranges.append(slice(offset, end))
+        return ranges
 
     def batch(self, views: list[torch.Tensor]) -> dict[str, Any]:
         """The batch with ``views`` (from :meth:`views`) as its tensors; its lists are new."""
@@ -360,7 +458,7 @@ class _Reader:
 
     def __init__(self, data_start: int, size: int) -> None:
         self.data_start, self.size = data_start, size
-        self.tensors: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]] = []
+        self.tensors: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]] = []
         self.end = 0
 
     def value(self, v: Any, depth: int) -> Any:
@@ -421,7 +519,7 @@ class _Reader:
                 strides = list(torch.empty(0, dtype=dtype).view(shape).stride())
             except (RuntimeError, TypeError) as e:
                 raise WireError(f"tensor of shape {shape} at offset {offset} cannot be viewed: {e}") from None
-        self.tensors.append((dtype, tuple(shape), tuple(strides), offset))
+        self.tensors.append((dtype, tuple(shape), tuple(strides), offset, numel))
         self.end = max(self.end, offset + nbytes)
         return _Slot(len(self.tensors) - 1)
 
@@ -453,6 +551,12 @@ class Decoder:
 
     def unpack(self, payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> dict[str, Any]:
         """See :func:`unpack`."""
+        layout = self.layout(payload, meta_nbytes, meta)
+        return layout.batch(layout.views(payload))
+
+    def layout(self, payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> Layout:
+        """The checked :class:`Layout` of ``payload`` (see :func:`unpack`), before its tensors are
+        viewed: a receiver learns from it where the tensors that travel apart go."""
         if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
             raise WireError(
                 f"payload must be a contiguous 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}"
@@ -471,7 +575,7 @@ class Decoder:
         layout = self._layout
         if layout is None or layout.end > size or layout.meta != raw:
             layout = self._layout = describe(raw, size)
-        return layout.batch(layout.views(payload))
+        return layout
 
 
 def unpack(payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""One collective per step while batch sizes repeat, two when a batch grows; batches the loop
-keeps are never overwritten by reused buffers; reused buffers stop the allocations.
+"""One collective per step while batch sizes repeat, two when a batch grows, one more per large
+tensor sent from the leader's source without a copy; batches the loop keeps are never
+overwritten by reused buffers; reused buffers stop the allocations.
 
 Runs an 8-rank gloo world, mesh pp=2, cp=2, tp=2 (shard and replicate peers, two stages).
 """
@@ -12,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from collective_loader import CollectiveLoader
+from collective_loader.delivery.protocol import APART_MIN_BYTES
+from collective_loader.plan import wire
 
 MESH = (("pp", "cp", "tp"), (2, 2, 2))
 # sequence lengths per step: repeats, growth, shrinking, growth again (zigzag over cp=2 needs % 4)
@@ -141,3 +144,85 @@ def odd_values(steps: int):
 
 def test_every_kind_of_value_arrives_bit_exact(worlds):
     assert worlds.get(8).run(odd_values, 6, timeout=120) == [[]] * 8
+
+
+# sequence lengths of 16-sample batches: int64 tensors of 16 x 8192 are 1 MiB (APART_MIN_BYTES),
+# so they travel apart; at 4096 they are copied into the message, at 16384 they are 2 MiB
+BIG_LENGTHS = [8192, 8192, 16384, 4096, 8192, 16384, 16384, 4096, 8192]
+BIG_SAMPLES = 16
+
+
+def big_batch(step: int, length: int) -> dict:
+    return ranks.sample_batch(list(range(step * BIG_SAMPLES, (step + 1) * BIG_SAMPLES)), length)
+
+
+def _expected_collectives(loader, stage: str) -> int:
+    """What one channel's messages cost: each step's message (one more when it is larger than
+    the one before), one broadcast per tensor that travels apart, then the end."""
+    frame, count = wire.HEADER_BYTES, 0
+    encoder = wire.Encoder(APART_MIN_BYTES)
+    for step, length in enumerate(BIG_LENGTHS):
+        plan = encoder.plan(loader.routing.select(big_batch(step, length), stage))
+        inline = wire.HEADER_BYTES + plan.nbytes - plan.apart_nbytes
+        count += 1 + (inline > frame) + len(plan.apart)
+        frame = inline
+    return count + 1
+
+
+def large_tensors(keep: bool):
+    mesh = ranks.make_mesh(*MESH)
+    yielded = []
+
+    def source():
+        for step, length in enumerate(BIG_LENGTHS):
+            yielded.append(big_batch(step, length))
+            yield yielded[-1]
+
+    # no seq_dims: every rank gets whole tensors, so the leader's are the source's (a sequence
+    # piece is a contiguous copy)
+    loader = CollectiveLoader(source, mesh, **{**ranks.KEYS, "seq_dims": {}}, timeout=60)
+    stage = loader.place.stage
+    kept, wrong, uncopied = [], [], 0
+    for step, batch in enumerate(loader):
+        want = loader.routing.piece(
+            loader.routing.select(big_batch(step, BIG_LENGTHS[step]), stage), loader.place.shard
+        )
+        if batch.keys() != want.keys() or any(not torch.equal(batch[k], v) for k, v in want.items()):
+            wrong.append(step)
+        if loader.is_leader:  # its batch holds the source's own large tensors (pieces of them)
+            source_ptr = yielded[step]["input_ids"].untyped_storage().data_ptr()
+            uncopied += batch["input_ids"].untyped_storage().data_ptr() == source_ptr
+        if keep:
+            kept.append((step, batch))
+    wrong += [
+        step
+        for step, batch in kept
+        if any(
+            not torch.equal(batch[k], v)
+            for k, v in loader.routing.piece(
+                loader.routing.select(big_batch(step, BIG_LENGTHS[step]), stage), loader.place.shard
+            ).items()
+        )
+    ]
+    stats = loader.stats()
+    stages = ["first", "last"] if loader.is_leader else [stage]
+    expected = sum(_expected_collectives(loader, s) for s in stages)
+    loader.close()
+    return {
+        "rank": dist.get_rank(),
+        "leader": loader.is_leader,
+        "wrong": wrong,
+        "uncopied": uncopied,
+        "collectives": stats["collectives"],
+        "expected": expected,
+    }
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["dropped", "kept"])
+def test_large_tensors_travel_apart_uncopied_and_arrive_whole(worlds, keep):
+    records = worlds.get(8).run(large_tensors, keep, timeout=180)
+    assert all(not r["wrong"] for r in records), [(r["rank"], r["wrong"]) for r in records]
+    for r in records:
+        assert r["collectives"] == r["expected"], r
+        if r["leader"]:  # every step but the two whose tensors are 512 KiB
+            assert r["uncopied"] == sum(length * BIG_SAMPLES * 8 >= APART_MIN_BYTES for length in BIG_LENGTHS), r

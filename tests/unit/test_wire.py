@@ -863,3 +863,109 @@ def test_header_read_from_a_message():
     out[:8] = 0
     with pytest.raises(WireError, match="magic"):
         Header.read(out, 1 << 20)
+
+
+# --- tensors that travel apart ----------------------------------------------------------------
+
+
+def _receive(p: wire.Plan) -> dict:
+    """What a receiver decodes from ``p``'s message and its apart tensors, each copied into its
+    range of the payload, as ``Channel.recv`` and ``recv_apart`` would."""
+    message = torch.zeros(wire.HEADER_BYTES + p.nbytes - p.apart_nbytes, dtype=torch.uint8)
+    wire.write_message(Kind.DATA, 0, p, message)
+    header = Header.read(message, 1 << 30)
+    payload = torch.zeros(p.nbytes, dtype=torch.uint8)
+    payload[: header.inline_nbytes] = message[wire.HEADER_BYTES :]
+    layout = wire.Decoder().layout(payload, header.meta_nbytes)
+    ranges = layout.apart(header.inline_nbytes)
+    assert len(ranges) == len(p.apart)
+    for where, sent in zip(ranges, p.apart):
+        payload[where] = sent
+    return layout.batch(layout.views(payload))
+
+
+def test_large_host_tensors_travel_apart_after_the_rest_and_uncopied():
+    big, small = torch.arange(3000, dtype=torch.int64), torch.ones(4, dtype=torch.float16)
+    batch = {"big": big, "small": small, "more": {"big2": big.float().reshape(30, 100), "n": 3}}
+    p = wire.Encoder(apart_min=8000).plan(batch)
+    assert [t.data_ptr() for t in p.apart] == [big.data_ptr(), batch["more"]["big2"].data_ptr()]
+    assert all(t.dtype == torch.uint8 and t.dim() == 1 for t in p.apart)
+    assert p.apart_nbytes == sum(wire._align(t.numel()) for t in p.apart)
+    offsets = dict((id(t), o) for o, t in p.tensors)
+    # the copied tensor first, the apart ones after it, each at an aligned offset
+    assert offsets[id(small)] < offsets[id(big)] < offsets[id(batch["more"]["big2"])]
+    assert offsets[id(big)] == p.nbytes - p.apart_nbytes
+    assert all(o % ALIGN == 0 for o in offsets.values())
+    out = torch.zeros(p.nbytes - p.apart_nbytes, dtype=torch.uint8)  # the inline part only
+    tensors = wire.write(p, out)
+    assert tensors[0] is big and tensors[2] is batch["more"]["big2"]  # as given: no copy
+    assert tensors[1].untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    assert_same(_receive(p), batch)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(4000, dtype=torch.int64).reshape(40, 100).t(),  # not contiguous
+        torch.ones(4000, requires_grad=True),
+        torch.complex(torch.ones(2000), torch.ones(2000)).conj(),  # a conj view: its bytes are not its values
+        torch.arange(4000, dtype=torch.int64)[:10],  # too small
+    ],
+    ids=["strided", "grad", "conj", "small"],
+)
+def test_tensors_whose_memory_is_not_their_bytes_are_copied_in(tensor):
+    p = wire.Encoder(apart_min=100).plan({"t": tensor, "x": torch.arange(100)})
+    assert [t.numel() for t in p.apart] == [800]  # only x travels apart
+    assert_same(_receive(p), {"t": tensor, "x": torch.arange(100)})
+
+
+def test_without_apart_min_everything_is_copied_in():
+    p = wire.Encoder().plan({"t": torch.zeros(1 << 20)})
+    assert p.apart == [] and p.apart_nbytes == 0
+
+
+def test_zero_size_tensors_never_travel_apart():
+    batch = {"a": torch.arange(100), "e": torch.empty(0, 5), "b": torch.arange(100), "e2": torch.empty(3, 0)}
+    p = wire.Encoder(apart_min=1).plan(batch)
+    assert len(p.apart) == 2
+    assert_same(_receive(p), batch)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=6),
+    apart_min=st.integers(1, 2000),
+    dtype=st.sampled_from(DTYPES),
+)
+@FAST
+def test_any_split_between_message_and_apart_round_trips(sizes, apart_min, dtype):
+    batch = {f"t{i}": torch.arange(n).to(dtype) for i, n in enumerate(sizes)}
+    p = wire.Encoder(apart_min=apart_min).plan(batch)
+    assert p.apart_nbytes == sum(wire._align(t.numel()) for t in p.apart)
+    assert_same(_receive(p), batch)
+
+
+def test_header_carries_the_apart_bytes():
+    header = Header(Kind.DATA, 1, 4096, 100, 2048)
+    assert header.inline_nbytes == 2048
+    assert Header.decode(header.encode(), 4096) == header
+
+
+@pytest.mark.parametrize(
+    "apart, match",
+    [(-64, "apart"), (1000 - 64 * 3 + 1, "apart"), (1000 - 64, "apart"), (2000, "apart")],
+    ids=["negative", "unaligned", "inside the description", "more than the payload"],
+)
+def test_header_rejects_impossible_apart_bytes(apart, match):
+    words = _words(payload=1024, meta=100)
+    words[6] = apart
+    with pytest.raises(WireError, match=match):
+        Header.decode(words, 1 << 20)
+
+
+def test_a_tensor_across_the_messages_end_is_rejected():
+    p = wire.plan({"a": torch.arange(100)})  # data from 64 to 864
+    layout = p.layout
+    assert len(p.meta) <= 64 and layout is not None
+    assert layout.apart(p.nbytes) == [] and layout.apart(64) == [slice(64, 864)]
+    with pytest.raises(WireError, match="across"):
+        layout.apart(128)
