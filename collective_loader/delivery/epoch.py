@@ -15,7 +15,7 @@ import logging
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -51,7 +51,6 @@ class Epoch(Iterator[Batch]):
         self.source_state = resume["source"] if resume is not None else None
         self._source_iter: Iterator[Mapping[str, Any]] | None = None
         self._finished = False
-        self._host = settings.transport == "host"  # next() takes each item as the transfer thread made it
         self._posted: protocol.Posted | None = None  # device transport: the next step, on its way
         self._copies: collections.deque = collections.deque()  # (event, host tensors) of copies in flight
         place = settings.place
@@ -78,42 +77,55 @@ class Epoch(Iterator[Batch]):
             on_error=protocol.failed,
             name=name,
         )
+        # the host transport takes each item as the transfer thread made it
+        self._take = self._prefetch.take if settings.transport == "host" else self._next_item
 
     # --- training-loop side ----------------------------------------------------------------
 
     def __next__(self) -> Batch:
+        # runs once per training step on the training thread: as little as it can be
         if self._finished:
             raise StopIteration
-        debug = log.isEnabledFor(logging.DEBUG)
-        started = time.perf_counter() if debug else 0.0
+        started = time.perf_counter() if log.isEnabledFor(logging.DEBUG) else None
         try:
-            item = self._prefetch.take() if self._host else self._next_item()
+            item = self._take()
         except DeliveryError:
             self._finish()
             raise
-        if item.kind != Kind.DATA:
-            self._finish()
-            if item.kind == Kind.END:
-                raise StopIteration
-            assert item.error is not None
-            raise item.error
+        if item.kind is not Kind.DATA:
+            self._end(item)
         self.steps += 1
         self.source_state = item.source_state
-        if debug:
-            nbytes = sum(v.nbytes for v in item.batch.values() if isinstance(v, torch.Tensor))
-            log.debug(
-                "rank %d step %d: %d tensor bytes, waited %.3f ms in next()",
-                self.settings.place.rank,
-                item.step,
-                nbytes,
-                1e3 * (time.perf_counter() - started),
-            )
-        while self._copies and self._copies[0][0].query():
-            self._copies.popleft()  # their copies are done: the host buffers may be reused
+        if started is not None:
+            self._log_step(item, started)
+        if self._copies:
+            self._retire_copies()
         if item.event is None:
             return item.batch
         self._copies.append((item.event, item.host))
         return hand_over(item.batch, item.event)
+
+    def _end(self, item: protocol.Item) -> NoReturn:
+        """The epoch's last item: stop, or raise its error."""
+        self._finish()
+        if item.kind == Kind.END:
+            raise StopIteration
+        assert item.error is not None
+        raise item.error
+
+    def _log_step(self, item: protocol.Item, started: float) -> None:
+        nbytes = sum(v.nbytes for v in item.batch.values() if isinstance(v, torch.Tensor))
+        log.debug(
+            "rank %d step %d: %d tensor bytes, waited %.3f ms in next()",
+            self.settings.place.rank,
+            item.step,
+            nbytes,
+            1e3 * (time.perf_counter() - started),
+        )
+
+    def _retire_copies(self) -> None:
+        while self._copies and self._copies[0][0].query():
+            self._copies.popleft()  # their copies are done: the host buffers may be reused
 
     def _next_item(self) -> protocol.Item:
         """Device transport: this step's item, its tensor bytes moved, after posting the next step's."""
