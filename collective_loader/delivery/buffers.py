@@ -21,12 +21,25 @@ from __future__ import annotations
 
 import torch
 
+_use_count = torch._C._storage_Use_Count  # references to a storage: tensors, views, numpy arrays
 
-def _in_use(buf: torch.Tensor) -> bool:
-    """Whether any tensor but ``buf`` itself uses ``buf``'s storage (views included)."""
-    # the count is the tensors on the storage, plus one for the storage object made to ask;
-    # torch's cudagraph trees use the same count to tell whether an output is still alive
-    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2
+
+class _Kept:
+    """A buffer of the pool, with what its in-use test needs, read once."""
+
+    __slots__ = ("tensor", "nbytes", "storage", "idle")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.nbytes = tensor.numel()
+        self.storage = tensor.untyped_storage()._cdata
+        # the references while only the pool holds it; torch's cudagraph trees use the same count
+        # to tell whether an output is still alive
+        self.idle = _use_count(self.storage)
+
+    def in_use(self) -> bool:
+        """Whether any tensor but the pool's own uses the buffer (views included)."""
+        return _use_count(self.storage) > self.idle
 
 
 class BufferPool:
@@ -47,20 +60,20 @@ class BufferPool:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.pin = pin
-        self._bufs: list[torch.Tensor] = []  # by size, smallest first
+        self._kept: list[_Kept] = []  # by size, smallest first
         self.allocations = 0  # buffers allocated so far (a steady loop stops allocating)
 
     def take(self, nbytes: int) -> torch.Tensor:
-        for buf in self._bufs:  # smallest first
-            if buf.numel() >= nbytes and not _in_use(buf):
-                return buf[:nbytes]
+        for kept in self._kept:  # smallest first; once per step: one torch call per buffer looked at
+            if kept.nbytes >= nbytes and not kept.in_use():
+                return kept.tensor[:nbytes]
         new = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         self.allocations += 1
-        if len(self._bufs) < self.capacity:
-            self._bufs.append(new)
+        if len(self._kept) < self.capacity:
+            self._kept.append(_Kept(new))
         else:  # every free one is too small: replace one
-            free = next((i for i, buf in enumerate(self._bufs) if not _in_use(buf)), None)
+            free = next((i for i, kept in enumerate(self._kept) if not kept.in_use()), None)
             if free is not None:
-                self._bufs[free] = new
-        self._bufs.sort(key=torch.Tensor.numel)
+                self._kept[free] = _Kept(new)
+        self._kept.sort(key=lambda kept: kept.nbytes)
         return new[:nbytes]

@@ -328,12 +328,16 @@ def write(plan_: Plan, out: torch.Tensor) -> list[torch.Tensor]:
     inline part: ``plan_.nbytes - plan_.apart_nbytes``) with the planned payload but the tensors
     that travel apart; return the batch's tensors in plan order: views of ``out``, and the apart
     tensors as given."""
-    meta = plan_.meta
-    if meta:
-        out.numpy().data[: len(meta)] = meta
+    if plan_.meta:
+        out.numpy().data[: len(plan_.meta)] = plan_.meta
+    return _write_tensors(plan_, out, 0)
+
+
+def _write_tensors(plan_: Plan, out: torch.Tensor, start: int) -> list[torch.Tensor]:
+    """:func:`write`'s tensors, for a payload at byte ``start`` of ``out``."""
     if plan_.layout is None:
         return []
-    views = plan_.layout.views(out, plan_.nbytes - plan_.apart_nbytes)
+    views = plan_.layout.views(out, plan_.nbytes - plan_.apart_nbytes, start)
     for i, (_, tensor) in enumerate(plan_.tensors):
         view = views[i]
         if view is None:  # travels apart: the batch keeps the tensor as given
@@ -341,7 +345,6 @@ def write(plan_: Plan, out: torch.Tensor) -> list[torch.Tensor]:
         else:  # a copy into a typed view of the destination: any strides, conj/neg views and devices work
             view.copy_(tensor.detach() if tensor.requires_grad else tensor, non_blocking=True)
     return cast(list[torch.Tensor], views)
-    return views
 
 
 NOTHING = Plan(b"", [], 0)  # the payload of a message that is its header alone
@@ -363,8 +366,10 @@ def write_message(kind: Kind, step: int, plan_: Plan, out: torch.Tensor) -> list
         {'x': tensor([1., 1.])}
     """
     header = Header(kind, step, plan_.nbytes, len(plan_.meta), plan_.apart_nbytes)
-    _HEADER.pack_into(out.numpy().data, 0, *header.words())
-    return write(plan_, out[HEADER_BYTES : HEADER_BYTES + header.inline_nbytes])
+    data = out.numpy().data  # once: every torch call costs a few us per step
+    _HEADER.pack_into(data, 0, *header.words())
+    data[HEADER_BYTES : HEADER_BYTES + len(plan_.meta)] = plan_.meta
+    return _write_tensors(plan_, out, HEADER_BYTES)
 
 
 def pack(batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
@@ -403,14 +408,15 @@ class Layout:
     template: Any  # the batch's tree: dicts, plain values, a _Slot per tensor
     end: int  # the payload bytes its tensors need
 
-    def views(self, payload: torch.Tensor, upto: int | None = None) -> list[Any]:
+    def views(self, payload: torch.Tensor, upto: int | None = None, start: int = 0) -> list[Any]:
         """Every tensor, in description order, as a view of ``payload`` (uint8, 1-D, at least
         ``end`` bytes, on an ``ALIGN`` boundary of its storage: the caller has checked).
 
         ``upto``: only the tensors that lie below this payload offset; those at or beyond it
         (that travel apart: :meth:`apart`) are ``None``, and ``payload`` may end there.
+        ``start``: the payload begins at this byte of ``payload`` (a message's, after its header).
         """
-        storage, base, device = payload.untyped_storage(), payload.storage_offset(), payload.device
+        storage, base, device = payload.untyped_storage(), payload.storage_offset() + start, payload.device
         return [
             None
             if upto is not None and offset >= upto and numel
