@@ -282,7 +282,7 @@ class Encoder:
         >>> ids = torch.zeros(4, 1024, dtype=torch.int64)    # 32 KiB
         >>> p = Encoder(apart_min=16 << 10).plan({"ids": ids, "n": torch.ones(2)})
         >>> p.apart_nbytes, p.apart[0].data_ptr() == ids.data_ptr(), p.nbytes - p.apart_nbytes
-        (32768, True, 128)
+        (32768, True, 192)
     """
 
     def __init__(self, apart_min: int | None = None) -> None:
