@@ -43,8 +43,8 @@ from collective_loader.plan.wire import Header, Kind
 
 Batch = dict[str, Any]
 # a host tensor of at least this many bytes is broadcast from its own memory, in a collective of
-# its own, instead of being copied into the step's message: on this project's machines copying
-# 1 MiB costs about what one more small collective costs (bench/results/step_cost.md)
+# its own, instead of being copied into the step's message: the copy of a large tensor costs the
+# leader more than one more collective (16 MiB: docs/performance.md); below this, not measured
 APART_MIN_BYTES = 1 << 20
 # a leader whose source has not returned a batch after this share of `timeout` reports itself
 # stalled (by 0.8 x timeout, see StallWatch), so its peers, who wait at most `timeout` for it,
