@@ -19,6 +19,7 @@ import logging
 
 from collective_loader.errors import (
     BatchError,
+    CollectiveLoaderError,
     ConfigMismatchError,
     ConstructionError,
     DeliveryError,
@@ -36,6 +37,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __all__ = [
     "BatchError",
     "CollectiveLoader",
+    "CollectiveLoaderError",
     "ConfigMismatchError",
     "ConstructionError",
     "DeliveryError",

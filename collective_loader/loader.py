@@ -209,6 +209,13 @@ class CollectiveLoader:
         return self.place.is_last_stage
 
     @property
+    def source(self) -> Iterable[Mapping[str, Any]] | None:
+        """On a leader, the source it loads from (what ``source()`` returned, for a callable), for
+        its own figures, e.g. ``loader.source.packing_stats()``; ``None`` on every other rank,
+        which builds nothing. Iterate the loader, never the source."""
+        return self._source
+
+    @property
     def group_count(self) -> int:
         """Process groups this loader created (every rank creates the same ones)."""
         return self.settings.groups.count
