@@ -1,6 +1,6 @@
 """Causal-attention work per cp rank: whole-row zigzag against the per-document split.
 
-    python bench/cp_balance.py            # writes bench/results/cp_balance.md (pure arithmetic, ~1 min)
+    python bench/cp_balance.py            # bench/results/cp_balance.{json,md} (pure arithmetic; run time: bench/README.md)
 
 A micro-batch is one row of ``--seq`` tokens packed with documents drawn from a mix; the last
 document of a row is cut at the row's end. Per cp rank, the attention work is the sum over its
@@ -23,19 +23,17 @@ fifth, very short documents, is added to show where the padding to 2 x cp costs 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import sys
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from harness import RESULTS, Run  # bench/harness.py: run as python bench/<name>.py
 
 from collective_loader.plan import sharding
 from collective_loader.plan.documents import PerDocument
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 TARGET = 1.05
 CPS = (2, 4, 8)
 
@@ -135,12 +133,9 @@ def run(seq: int, steps: int, seed: int) -> dict:
     return out
 
 
-def report(results: dict, seq: int, steps: int, seed: int, command: str) -> str:
+def report(results: dict, seq: int, steps: int, seed: int) -> list[str]:
     lines = [
-        "# Attention work per cp rank: whole-row zigzag vs per-document split",
-        "",
-        f"{datetime.date.today().isoformat()}, `{command}` (pure arithmetic on the split's own index code; "
-        "no timing, so machine load does not matter).",
+        "Pure arithmetic on the split's own index code; no timing, so machine load does not matter.",
         "",
         f"A micro-batch is one row of {seq} tokens packed with documents of the mix (the last one cut at the row's "
         f"end); {steps} micro-batches per mix (seed {seed}). Work of a cp rank = sum over its real query tokens of "
@@ -179,7 +174,7 @@ def report(results: dict, seq: int, steps: int, seed: int, command: str) -> str:
                 w = " ".join(f"{x / (sum(work) / cp):.3f}" for x in work)
                 t = " ".join(f"{x / (sum(real) / cp):.3f}" for x in real)
                 lines.append(f"| {name} | {cp} | {split_name} | {w} | {t} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,13 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=32768, help="tokens per packed row (one row per micro-batch)")
     p.add_argument("--steps", type=int, default=64, help="micro-batches per mix")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(RESULTS, "cp_balance.md"))
+    p.add_argument("--out", default=RESULTS, help="directory of cp_balance.{json,md}")
     a = p.parse_args(argv)
-    command = "python bench/cp_balance.py" + "".join(f" {x}" for x in (argv if argv is not None else sys.argv[1:]))
-    text = report(run(a.seq, a.steps, a.seed), a.seq, a.steps, a.seed, command)
-    with open(a.out, "w") as f:
-        f.write(text)
-    print(text)
+    started = Run("cp_balance.py", argv)
+    results = run(a.seq, a.steps, a.seed)
+    rows = [{"mix": k[0], "cp": k[1], "split": k[2], **v} for k, v in results.items() if isinstance(k, tuple)]
+    meta = started.meta(seq=a.seq, steps=a.steps, seed=a.seed)
+    title = "Attention work per cp rank: whole-row zigzag vs per-document split"
+    started.write("cp_balance", title, {"meta": meta, "rows": rows}, report(results, a.seq, a.steps, a.seed), a.out)
     return 0
 
 

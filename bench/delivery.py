@@ -1,7 +1,9 @@
 """Delivery time of CollectiveLoader against its limits, on this machine (gloo, CPU ranks).
 
-    python bench/delivery.py            # about 10 minutes: bench/results/delivery.{json,md} + plots
-    python bench/delivery.py --quick    # under a minute: bench/results/delivery_quick.*
+    python bench/delivery.py            # bench/results/delivery.{json,md} + plots
+    python bench/delivery.py --quick    # a tiny version: bench/results/delivery_quick.* (git-ignored)
+
+(Run times: bench/README.md.)
 
 Figures that are compared are measured side by side: in one world, every variant runs one epoch
 in turn, for several rounds (the order rotates each round), and the tables give the median over
@@ -23,6 +25,9 @@ loading cost is measured.
   writing a payload into a fresh buffer costs against a reused one (this process, no world).
 * Scale: constructor time and 1 KiB step time on 2 to 16 ranks; groups and collectives per step
   from the layout code for meshes up to pp=16, dp=128, cp=2, tp=4 (no processes).
+* Shard ranks: sequences split over cp, delivered by broadcast-then-slice and by scatter, on
+  8-rank meshes ``pp=2,cp=2,tp=2`` and ``cp=4,tp=2``, token-sized (64 KiB) and large (16 MiB)
+  batches; both loaders (and their process groups) built once per world.
 """
 
 from __future__ import annotations
@@ -31,20 +36,34 @@ import argparse
 import concurrent.futures
 import dataclasses
 import gc
-import itertools
-import json
+import math
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from machine import run_meta  # bench/machine.py: run as python bench/<name>.py
+from harness import (  # bench/harness.py: run as python bench/<name>.py
+    KIB,
+    MIB,
+    RESULTS,
+    Repeat,
+    Run,
+    Steps,
+    gather,
+    in_rounds,
+    keep,
+    kept,
+    size,
+    slowest,
+    table,
+    timed_steps,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 from collective_loader import CollectiveLoader
@@ -54,8 +73,6 @@ from collective_loader.plan.mesh import MeshLayout, group_count
 from collective_loader.plan.wire import Header, Kind
 from collective_loader.testing import launch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-KIB, MIB = 1 << 10, 1 << 20
 MIXED = (torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.bool, torch.float16)
 SKIP = 2  # warm-up steps left out at the start of every epoch
 TIMEOUT = 120.0  # seconds a loader waits in one collective
@@ -98,7 +115,9 @@ class Settings:
     max_steps: int  # measured steps per epoch for small payloads
     min_steps: int
     world_timeout: float  # seconds one launched world may run
-    out: str = ""  # JSON-lines file rank 0 appends to
+    shard_meshes: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]  # (dims, shape) of the shard worlds
+    shard_payloads: tuple[tuple[int, int], ...]  # (payload, measured steps) in each shard world
+    out: str = ""  # the records' path (harness.keep): rank 0 keeps one per case
 
     def steps(self, nbytes: int) -> int:
         """Measured steps per epoch: about 256 MiB per epoch, within [min_steps, max_steps]."""
@@ -113,6 +132,8 @@ FULL = Settings(
     max_steps=100,
     min_steps=8,
     world_timeout=1800,
+    shard_meshes=((("pp", "cp", "tp"), (2, 2, 2)), (("cp", "tp"), (4, 2))),
+    shard_payloads=((64 * KIB, 200), (16 * MIB, 20)),
 )
 QUICK = Settings(
     payloads=(KIB, MIB),
@@ -122,6 +143,8 @@ QUICK = Settings(
     max_steps=12,
     min_steps=6,
     world_timeout=600,
+    shard_meshes=((("cp", "tp"), (4, 2)),),
+    shard_payloads=((64 * KIB, 20),),
 )
 
 
@@ -145,17 +168,6 @@ def make_batch(nbytes: int, n_tensors: int) -> dict[str, torch.Tensor]:
 
 def tensor_bytes(batch: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in batch.values())
-
-
-class Repeat:
-    """A source yielding the same batch ``steps`` times per epoch; set ``steps`` before ``iter``."""
-
-    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
-        self.batch = batch
-        self.steps = 0
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return itertools.repeat(self.batch, self.steps)
 
 
 Epoch = Callable[[int], Iterable[Any]]  # n -> something that yields once per delivered step
@@ -214,52 +226,17 @@ def per_tensor_epochs(batch: dict[str, torch.Tensor], group: dist.ProcessGroup) 
 # --- timing ---------------------------------------------------------------------------------
 
 
-def timed_epoch(epoch: Epoch, n: int, compute: float = 0.0) -> tuple[list[float], list[float]]:
-    """This rank's step times and time spent inside ``next`` for ``n`` steps after ``SKIP``.
-
-    ``compute`` seconds of sleep follow every step (the training loop's work)."""
+def timed_epoch(epoch: Epoch, n: int, compute: float = 0.0) -> Steps:
+    """This rank's ``n`` steps after ``SKIP`` of warm-up; ``compute`` seconds of sleep follow every
+    step (the training loop's work)."""
     gc.collect()  # the last run's garbage is not collected inside this run's timed steps
     dist.barrier()
-    it = iter(epoch(n + SKIP))
-    steps: list[float] = []
-    waits: list[float] = []
-    last = time.perf_counter()
-    while True:
-        start = time.perf_counter()
-        try:
-            next(it)
-        except StopIteration:
-            break
-        now = time.perf_counter()
-        steps.append(now - last)
-        waits.append(now - start)
-        last = now
-        if compute:
-            time.sleep(compute)
-    return steps[SKIP:], waits[SKIP:]
+    return timed_steps(epoch(n + SKIP), SKIP, each=(lambda i, batch: time.sleep(compute)) if compute else None)
 
 
-def gather(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order."""
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def slowest(values: list[float]) -> list[float]:
-    """Per step, the largest value over the ranks of the world."""
-    return [max(v) for v in zip(*gather(values))]
-
-
-def in_rounds(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[Any]]:
-    """Each run's result once per round; the order of the runs rotates every round."""
-    names = list(runs)
-    out: dict[str, list[Any]] = {name: [] for name in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            out[name].append(runs[name]())
-    return out
+def slowest_steps(epoch: Epoch, n: int, compute: float = 0.0) -> list[float]:
+    """Per step, the slowest rank's step time."""
+    return slowest(gather(timed_epoch(epoch, n, compute).steps))
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
@@ -340,9 +317,7 @@ def delivery_case(s: Settings, mesh: Any, group: dist.ProcessGroup, nbytes: int,
     epochs["raw_pair"] = raw_pair_epochs(tensor_bytes(batch), group)
     epochs["per_tensor"] = per_tensor_epochs(batch, group)
     n = s.steps(nbytes)
-    runs: dict[str, Callable[[], Any]] = {
-        name: (lambda e=e: slowest(timed_epoch(e, n)[0])) for name, e in epochs.items()
-    }
+    runs: dict[str, Callable[[], Any]] = {name: (lambda e=e: slowest_steps(e, n)) for name, e in epochs.items()}
     runs["profile"] = lambda: profile_epoch(batch, group, max(s.min_steps, n // 2))
     record: dict[str, Any] = {
         "kind": "delivery",
@@ -367,7 +342,7 @@ def overlap(s: Settings, epochs: dict[str, Epoch], sync_rounds: list[list[float]
     sync = statistics.median(summary(r)["p50"] for r in sync_rounds)
     n = max(s.min_steps, s.steps(nbytes) // 2)
     runs = {
-        f"{name} x{factor}": (lambda e=epochs[name], c=factor * sync: slowest(timed_epoch(e, n, c)[1]))
+        f"{name} x{factor}": (lambda e=epochs[name], c=factor * sync: slowest(gather(timed_epoch(e, n, c).waits)))
         for name in LOADERS
         for factor in (1, 2)
     }
@@ -383,8 +358,7 @@ def delivery_main(s: Settings) -> int:
         for nbytes in s.payloads:
             record = delivery_case(s, mesh, group, nbytes, n_tensors)
             if dist.get_rank() == 0:
-                with open(s.out, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                keep(s.out, record)
                 print(f"delivery: {nbytes} bytes, {n_tensors} tensors done", flush=True)
     return 0
 
@@ -407,15 +381,61 @@ def scale_main(s: Settings) -> int:
         built = max(gather(time.perf_counter() - start))
         record["group_count"] = loader.group_count
         stats = gather(stats_per_step(loader, source))
-        steps = slowest(timed_epoch(loader_epochs(loader, source), s.max_steps)[0])
+        steps = slowest_steps(loader_epochs(loader, source), s.max_steps)
         loader.close()
         return {"construct": built, "steps": steps, "stats": stats}
 
     record["rounds"] = in_rounds({name: (lambda o=o: run(o)) for name, o in LOADERS.items()}, s.rounds)
     if dist.get_rank() == 0:
-        with open(s.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        keep(s.out, record)
         print(f"scale: {world} ranks done", flush=True)
+    return 0
+
+
+# --- the shard worlds: broadcast or scatter ----------------------------------------------------
+
+SHARD_MODES = ("broadcast", "scatter")
+
+
+def shard_batch(nbytes: int) -> dict[str, torch.Tensor]:
+    """4 sequences of int64 tokens, ``input_ids`` and ``labels``: about ``nbytes`` together."""
+    seq = max(64, nbytes // (2 * 4 * 8) // 64 * 64)
+    ids = torch.randint(0, 32000, (4, seq))
+    return {"input_ids": ids, "labels": ids.roll(-1, 1)}
+
+
+def shard_main(args: tuple[Settings, tuple[str, ...], tuple[int, ...]]) -> int:
+    """Rank entry of a shard world: sequences split over cp (zigzag), delivered by broadcast-then-
+    slice and by scatter, every payload in rounds. Both loaders, and so their process groups, are
+    built once per world."""
+    s, dims, shape = args
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    source = Repeat({})
+    loaders = {
+        mode: CollectiveLoader(
+            source,
+            mesh,
+            inputs=("input_ids",),
+            labels=("labels",),
+            seq_dims={"input_ids": 1, "labels": 1},
+            split="zigzag",
+            delivery=mode,
+            timeout=TIMEOUT,
+        )
+        for mode in SHARD_MODES
+    }
+    for nbytes, n in s.shard_payloads:
+        source.batch = shard_batch(nbytes)
+        runs = {
+            mode: (lambda mode=mode, n=n: slowest_steps(loader_epochs(loaders[mode], source), n)) for mode in loaders
+        }
+        record = {"kind": "shard", "dims": dims, "shape": shape, "payload": nbytes, "steps": n}
+        record["rounds"] = in_rounds(runs, s.rounds)
+        if dist.get_rank() == 0:
+            keep(s.out, record)
+            print(f"shard: {dict(zip(dims, shape))}, {size(nbytes)} done", flush=True)
+    for loader in loaders.values():
+        loader.close()
     return 0
 
 
@@ -492,10 +512,6 @@ def p50_p95(series: list[list[float]]) -> str:
     return f"{p50 * 1e3:.3f} ({p95 * 1e3:.3f})"
 
 
-def size(nbytes: int) -> str:
-    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
-
-
 def per_role(stats: list[dict[str, Any]], key: str = "collectives") -> str:
     """``role: value`` for each distinct role, e.g. ``leader 2, both 2``."""
     roles: dict[str, set[float]] = {}
@@ -508,60 +524,65 @@ def delivery_tables(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for n_tensors in sorted({r["n_tensors"] for r in rows}):
         dtypes = ", ".join(str(d).removeprefix("torch.") for d in MIXED[:n_tensors])
-        mine = [r for r in rows if r["n_tensors"] == n_tensors]
-        lines += [
-            f"### {n_tensors} tensor{'s' if n_tensors > 1 else ''} ({dtypes}): vs the limit",
-            "",
-            "| payload | wire bytes | steps | loader p=1 | loader default | loader device | raw broadcast | "
+        mine = [(r, r["rounds"]) for r in rows if r["n_tensors"] == n_tensors]
+        plural = "s" if n_tensors > 1 else ""
+        lines += [f"### {n_tensors} tensor{plural} ({dtypes}): vs the limit", ""]
+        lines += table(
+            "payload | wire bytes | steps | loader p=1 | loader default | loader device | raw broadcast | "
             "raw header + payload | p=1 / raw | default / raw | device / raw | p=1 / raw header + payload | "
-            "collectives per step (stats) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in mine:
-            rd = r["rounds"]
-            lines.append(
-                f"| {size(r['payload'])} | {r['wire_bytes']} | {r['steps']} | {p50_p95(rd['loader_p1'])} | "
-                f"{p50_p95(rd['loader_default'])} | {p50_p95(rd['loader_device'])} | {p50_p95(rd['raw'])} | "
-                f"{p50_p95(rd['raw_pair'])} | {ratio(rd, 'loader_p1', 'raw'):.2f} | "
-                f"{ratio(rd, 'loader_default', 'raw'):.2f} | {ratio(rd, 'loader_device', 'raw'):.2f} | "
-                f"{ratio(rd, 'loader_p1', 'raw_pair'):.2f} | {per_role(r['stats']['loader_p1'])} |"
-            )
+            "collectives per step (stats)",
+            [
+                (
+                    size(r["payload"]),
+                    r["wire_bytes"],
+                    r["steps"],
+                    *(p50_p95(rd[v]) for v in ("loader_p1", "loader_default", "loader_device", "raw", "raw_pair")),
+                    *(f"{ratio(rd, v, 'raw'):.2f}" for v in ("loader_p1", "loader_default", "loader_device")),
+                    f"{ratio(rd, 'loader_p1', 'raw_pair'):.2f}",
+                    per_role(r["stats"]["loader_p1"]),
+                )
+                for r, rd in mine
+            ],
+        )
         lines += [
+            f"### {n_tensors} tensor{plural}: vs the per-tensor pattern ({n_tensors + 1} collectives per step)",
             "",
-            f"### {n_tensors} tensor{'s' if n_tensors > 1 else ''}: vs the per-tensor pattern "
-            f"({n_tensors + 1} collectives per step)",
-            "",
-            "| payload | per-tensor | loader p=1 | loader default | per-tensor / p=1 | per-tensor / default |",
-            "|---|---|---|---|---|---|",
         ]
-        for r in mine:
-            rd = r["rounds"]
-            lines.append(
-                f"| {size(r['payload'])} | {p50_p95(rd['per_tensor'])} | {p50_p95(rd['loader_p1'])} | "
-                f"{p50_p95(rd['loader_default'])} | {ratio(rd, 'per_tensor', 'loader_p1'):.2f} | "
-                f"{ratio(rd, 'per_tensor', 'loader_default'):.2f} |"
-            )
-        lines.append("")
+        lines += table(
+            "payload | per-tensor | loader p=1 | loader default | per-tensor / p=1 | per-tensor / default",
+            [
+                (
+                    size(r["payload"]),
+                    *(p50_p95(rd[v]) for v in ("per_tensor", "loader_p1", "loader_default")),
+                    f"{ratio(rd, 'per_tensor', 'loader_p1'):.2f}",
+                    f"{ratio(rd, 'per_tensor', 'loader_default'):.2f}",
+                )
+                for r, rd in mine
+            ],
+        )
     return lines
 
 
+def median_p50(series: list[list[float]]) -> float:
+    """The median over rounds of the p50, in ms."""
+    return statistics.median(summary(x)["p50"] for x in series) * 1e3
+
+
 def profile_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| batch | payload | leader pack | leader message bcast | receiver unpack | "
-        "rebuilt step | loader p=1 step | raw broadcast | loader p=1 - rebuilt |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    out = []
     for r in rows:
         prof = r["rounds"]["profile"]
-        med = {k: statistics.median(summary(p[k])["p50"] for p in prof) * 1e3 for k in prof[0]}
-        loader = statistics.median(summary(x)["p50"] for x in r["rounds"]["loader_p1"]) * 1e3
-        raw = statistics.median(summary(x)["p50"] for x in r["rounds"]["raw"]) * 1e3
-        lines.append(
-            f"| {r['n_tensors']} t | {size(r['payload'])} | {med['pack']:.3f} | {med['message']:.3f} | "
-            f"{med['unpack']:.3f} | {med['step']:.3f} | {loader:.3f} | {raw:.3f} | "
-            f"{loader - med['step']:+.3f} |"
+        med = {k: median_p50([p[k] for p in prof]) for k in prof[0]}
+        loader, raw = median_p50(r["rounds"]["loader_p1"]), median_p50(r["rounds"]["raw"])
+        phases = (med["pack"], med["message"], med["unpack"], med["step"], loader, raw)
+        out.append(
+            (f"{r['n_tensors']} t", size(r["payload"]), *(f"{x:.3f}" for x in phases), f"{loader - med['step']:+.3f}")
         )
-    return lines + [""]
+    header = (
+        "batch | payload | leader pack | leader message bcast | receiver unpack | rebuilt step | "
+        "loader p=1 step | raw broadcast | loader p=1 - rebuilt"
+    )
+    return table(header, out)
 
 
 def overlap_summary(r: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -576,36 +597,37 @@ def overlap_summary(r: dict[str, Any]) -> dict[str, dict[str, float]]:
     }
 
 
+PREFETCH = {"loader_p1": "1", "loader_default": "default (2)", "loader_device": "default (2), device"}
+
+
 def overlap_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| payload | sync delivery (p=1 p50) | its mean | compute / step | prefetch | exposed wait, mean | "
-        "mean / sync | p95 / sync |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    out = []
     for r in rows:
         sync = r["overlap"]["sync_delivery"]
         sync_mean = statistics.median(summary(x)["mean"] for x in r["rounds"]["loader_p1"])
         for name, frac in overlap_summary(r).items():
             variant, factor = name.split(" x")
-            prefetch = {"loader_p1": "1", "loader_default": "default (2)", "loader_device": "default (2), device"}[
-                variant
-            ]
-            lines.append(
-                f"| {size(r['payload'])} | {sync * 1e3:.3f} ms | {sync_mean * 1e3:.3f} ms | "
-                f"{factor} x sync = {int(factor) * sync * 1e3:.3f} ms | {prefetch} | "
-                f"{frac['mean'] * sync * 1e3:.3f} ms | {frac['mean']:.1%} | {frac['p95']:.1%} |"
+            out.append(
+                (
+                    size(r["payload"]),
+                    f"{sync * 1e3:.3f} ms",
+                    f"{sync_mean * 1e3:.3f} ms",
+                    f"{factor} x sync = {int(factor) * sync * 1e3:.3f} ms",
+                    PREFETCH[variant],
+                    f"{frac['mean'] * sync * 1e3:.3f} ms",
+                    f"{frac['mean']:.1%}",
+                    f"{frac['p95']:.1%}",
+                )
             )
-    return lines + [""]
+    header = (
+        "payload | sync delivery (p=1 p50) | its mean | compute / step | prefetch | exposed wait, mean | "
+        "mean / sync | p95 / sync"
+    )
+    return table(header, out)
 
 
 def scale_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        (
-            "| ranks | mesh (pp, dp, tp) | groups | constructor p=1 / default (median) | step p=1 p50 (p95) | "
-            "step default p50 (p95) | collectives per step, measured (stats) | from the layout code |"
-        ),
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    out = []
     for r in rows:
         rd = r["rounds"]
         built = {n: statistics.median(x["construct"] for x in rd[n]) * 1e3 for n in LOADERS}
@@ -613,44 +635,53 @@ def scale_table(rows: list[dict[str, Any]]) -> list[str]:
         pp, dp, tp = r["shape"]
         derived = layout_row(pp, dp, 1, tp)
         receivers = ", ".join(f"{name} {k}" for name, k in derived["receiver"].items())
-        lines.append(
-            f"| {r['world']} | {tuple(r['shape'])} | {r['group_count']} | {built['loader_p1']:.1f} / "
-            f"{built['loader_default']:.1f} ms | {p50_p95(steps['loader_p1'])} | {p50_p95(steps['loader_default'])} | "
-            f"{per_role(rd['loader_p1'][0]['stats'])} | leader {derived['leader']}, {receivers} |"
+        out.append(
+            (
+                r["world"],
+                tuple(r["shape"]),
+                r["group_count"],
+                f"{built['loader_p1']:.1f} / {built['loader_default']:.1f} ms",
+                p50_p95(steps["loader_p1"]),
+                p50_p95(steps["loader_default"]),
+                per_role(rd["loader_p1"][0]["stats"]),
+                f"leader {derived['leader']}, {receivers}",
+            )
         )
-    return lines + [""]
+    header = (
+        "ranks | mesh (pp, dp, tp) | groups | constructor p=1 / default (median) | step p=1 p50 (p95) | "
+        "step default p50 (p95) | collectives per step, measured (stats) | from the layout code"
+    )
+    return table(header, out)
 
 
 def buffer_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| payload | buffer allocated once | fresh, freed each step | fresh, kept | freed / once | kept / once |",
-        "|---|---|---|---|---|---|",
-    ]
+    out = []
     for r in rows:
         ms = {mode: statistics.median(r[mode]) * 1e3 for mode in BUFFERS}
-        lines.append(
-            f"| {size(r['payload'])} | {ms['reused']:.2f} ms | {ms['fresh_freed']:.2f} ms | "
-            f"{ms['fresh_kept']:.2f} ms | {ms['fresh_freed'] / ms['reused']:.1f} | "
-            f"{ms['fresh_kept'] / ms['reused']:.1f} |"
+        out.append(
+            (
+                size(r["payload"]),
+                *(f"{ms[mode]:.2f} ms" for mode in BUFFERS),
+                f"{ms['fresh_freed'] / ms['reused']:.1f}",
+                f"{ms['fresh_kept'] / ms['reused']:.1f}",
+            )
         )
-    return lines + [""]
+    header = "payload | buffer allocated once | fresh, freed each step | fresh, kept | freed / once | kept / once"
+    return table(header, out)
 
 
 def layout_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| GPUs | pp | dp | cp | tp | groups (`group_count`) | leader | first-stage receiver | "
-        "last-stage receiver | middle-stage receiver |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    out = []
     for r in rows:
         recv = r["receiver"]
-        first = recv.get("first", "-")
         last = recv.get("last", "(= first)" if r["pp"] == 1 else "-")
-        lines.append(
-            f"| {r['gpus']} | {r['pp']} | {r['dp']} | {r['cp']} | {r['tp']} | {r['groups']} | {r['leader']} | "
-            f"{first} | {last} | {recv.get('middle', '-')} |"
-        )
-    return lines + [""]
+        groups = (r["gpus"], r["pp"], r["dp"], r["cp"], r["tp"], r["groups"], r["leader"])
+        out.append((*groups, recv.get("first", "-"), last, recv.get("middle", "-")))
+    header = (
+        "GPUs | pp | dp | cp | tp | groups (`group_count`) | leader | first-stage receiver | "
+        "last-stage receiver | middle-stage receiver"
+    )
+    return table(header, out)
 
 
 def targets(delivery: list[dict[str, Any]]) -> list[str]:
@@ -696,18 +727,11 @@ def targets(delivery: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def markdown(results: dict[str, Any]) -> str:
+def markdown(results: dict[str, Any]) -> list[str]:
+    """The report's body, under the title and header ``harness.Run.write`` adds."""
     meta = results["meta"]
     delivery = results["delivery"]
-    lines = [
-        "# Delivery time (gloo, this machine)",
-        "",
-        (
-            f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; Python {meta['python']}. "
-            f"`{meta['command']}` ran {meta['seconds']:.0f} s; load average {meta['load_before']} before, "
-            f"{meta['load_after']} after (other processes share the cores)."
-        ),
-        "",
+    return [
         (
             "Every figure compared is measured side by side in one world: each variant runs one epoch in turn, "
             f"{meta['rounds']} rounds, the order rotating each round. A step's time is the slowest rank's time "
@@ -786,8 +810,41 @@ def markdown(results: dict[str, Any]) -> str:
         ),
         "",
         *layout_table(results["layout"]),
+        "## Broadcast or scatter for shard ranks",
+        "",
+        (
+            'Sequences split over cp (`split="zigzag"`): 4 sequences of int64 `input_ids` and `labels`, inputs to '
+            'the first stage, labels to the last; the loader with `delivery="broadcast"` (every rank of a delivery '
+            'group gets the whole batch and slices its own piece) and with `delivery="scatter"` (each rank is sent '
+            "its piece), default prefetch, no compute. Both loaders are built once per world and take turns in "
+            "rounds; step times of the slowest rank as above, and their mean, medians over rounds."
+        ),
+        "",
+        *shard_table(results["shard"]),
     ]
-    return "\n".join(lines)
+
+
+def shard_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for r in rows:
+        rd = r["rounds"]
+        mesh = ",".join(f"{d}={k}" for d, k in zip(r["dims"], r["shape"]))
+        mean = [statistics.median(summary(x)["mean"] for x in rd[m]) * 1e3 for m in SHARD_MODES]
+        out.append(
+            (
+                mesh,
+                size(r["payload"]),
+                r["steps"],
+                *(p50_p95(rd[m]) for m in SHARD_MODES),
+                *(f"{x:.3f}" for x in mean),
+                f"{ratio(rd, 'scatter', 'broadcast'):.2f}",
+            )
+        )
+    header = (
+        "mesh | payload | steps | broadcast p50 (p95) | scatter p50 (p95) | broadcast mean | scatter mean | "
+        "scatter / broadcast (p50)"
+    )
+    return table(header, out)
 
 
 def plot_payloads(plt: Any, delivery: list[dict[str, Any]], path: str) -> None:
@@ -799,7 +856,7 @@ def plot_payloads(plt: Any, delivery: list[dict[str, Any]], path: str) -> None:
         rows = [r for r in delivery if r["n_tensors"] == n_tensors]
         x = [r["payload"] for r in rows]
         for v in variants:
-            y = [statistics.median(summary(s)["p50"] for s in r["rounds"][v]) * 1e3 for r in rows]
+            y = [median_p50(r["rounds"][v]) for r in rows]
             axes[0][col].loglog(x, y, marker="o", label=LABELS[v])
             if v != "raw":
                 ratios = [ratio(r["rounds"], v, "raw") for r in rows]
@@ -822,7 +879,7 @@ def plot_scale(plt: Any, scale: list[dict[str, Any]], path: str) -> None:
     worlds = [r["world"] for r in scale]
     for name in LOADERS:
         built = [statistics.median(x["construct"] for x in r["rounds"][name]) * 1e3 for r in scale]
-        step = [statistics.median(summary(x["steps"])["p50"] for x in r["rounds"][name]) * 1e3 for r in scale]
+        step = [median_p50([x["steps"] for x in r["rounds"][name]]) for r in scale]
         axes[0].plot(worlds, built, marker="o", label=LABELS[name])
         axes[1].plot(worlds, step, marker="o", label=LABELS[name])
     axes[0].set(xlabel="ranks", ylabel="constructor ms (slowest rank)", title="CollectiveLoader(...)")
@@ -846,38 +903,28 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     name = "delivery_quick" if args.quick else "delivery"
-    load_before = os.getloadavg()
-    start = time.time()
+    run = Run("delivery.py", argv)
     with tempfile.TemporaryDirectory() as tmp:
-        s = dataclasses.replace(QUICK if args.quick else FULL, out=os.path.join(tmp, "records.jsonl"))
-        worlds = [(delivery_main, 4)] + [(scale_main, n) for n in s.world_sizes]
-        for fn, world in worlds:
-            code = launch.run(fn, s, world, timeout=s.world_timeout)
+        s = dataclasses.replace(QUICK if args.quick else FULL, out=os.path.join(tmp, "records"))
+        worlds: list[tuple[Callable[[Any], int], Any, int]] = [(delivery_main, s, 4)]
+        worlds += [(scale_main, s, n) for n in s.world_sizes]
+        worlds += [(shard_main, (s, dims, shape), math.prod(shape)) for dims, shape in s.shard_meshes]
+        for fn, arg, world in worlds:
+            code = launch.run(fn, arg, world, timeout=s.world_timeout)
             if code:
                 return code
-        with open(s.out) as f:
-            records = [json.loads(line) for line in f]
+        records = kept(s.out)[0]
     results = {
-        "meta": {
-            **run_meta("delivery.py", start, load_before),
-            "rounds": s.rounds,
-            "skip": SKIP,
-            "settings": dataclasses.asdict(s) | {"out": None},
-        },
+        "meta": run.meta(rounds=s.rounds, skip=SKIP, settings=dataclasses.asdict(s) | {"out": None}),
         "delivery": [r for r in records if r["kind"] == "delivery"],
         "scale": sorted((r for r in records if r["kind"] == "scale"), key=lambda r: r["world"]),
+        "shard": [r for r in records if r["kind"] == "shard"],
         "layout": [layout_row(*m) for m in LAYOUT_MESHES],
         "buffers": buffer_costs(s),
     }
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
-        json.dump(results, f)
-    text = markdown(results)
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write(text + "\n")
+    run.write(name, "Delivery time (gloo, this machine)", results, markdown(results))
     plot_payloads(plt, results["delivery"], os.path.join(RESULTS, f"{name}_vs_payload.png"))
     plot_scale(plt, results["scale"], os.path.join(RESULTS, f"{name}_scale.png"))
-    print(text)
     return 0
 
 

@@ -1,6 +1,6 @@
 """One-shot check of CollectiveLoader on one GPU (or, with ``--cpu``, the same flow on CPUs).
 
-    bash bench/gpu_check.sh            # under 5 minutes: bench/results/gpu_check_<date>.md
+    bash bench/gpu_check.sh            # bench/results/gpu_check_<date>.{json,md} (run time: bench/README.md)
     bash bench/gpu_check.sh --cpu      # the same flow with device "cpu" (a CPU-only machine)
     bash bench/gpu_check.sh --out DIR  # write the report to DIR instead
 
@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import json
 import math
 import os
 import platform
@@ -46,13 +45,12 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from harness import RESULTS, Run, keep, kept, slowest, timed_steps  # bench/harness.py: run as python bench/<name>.py
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from collective_loader import CollectiveLoader
 from collective_loader.testing import launch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 INPUTS = ("input_ids", "sample_id")  # to the first pipeline stage
 LABELS = ("labels", "sample_id")  # to the last
 SEQ_DIMS = {"input_ids": 1, "labels": 1}
@@ -288,26 +286,21 @@ def checked_epoch(loader: CollectiveLoader, where: Where, s: Settings) -> list[s
 
 
 def timed_epoch(loader: CollectiveLoader, compute: Callable[[], None] | None) -> tuple[list[float], list[float], int]:
-    """Seconds inside ``next()`` and in the rest of each step (the compute, then a device sync,
-    so the host cannot run ahead and the next wait is the real one); and the batches' kernel sum.
-    Batches are not kept: the loader's buffers are reused as in training."""
+    """Per step, seconds inside ``next()`` and in the rest of the step before it (the batch's sum,
+    the compute, then a device sync, so the host cannot run ahead and the next wait is the real
+    one); and the batches' kernel sum. Batches are not kept: the loader's buffers are reused as in
+    training."""
     device = loader.device
     acc = torch.zeros((), dtype=torch.int64, device=device)
-    waits, computes = [], []
-    it = iter(loader)
-    while True:
-        start = time.perf_counter()
-        batch = next(it, None)
-        got = time.perf_counter()
-        if batch is None:
-            break
+
+    def each(i: int, batch: Mapping[str, torch.Tensor]) -> None:
         batch_sum(batch, acc)
         if compute is not None:
             compute()
         sync(device)
-        waits.append(got - start)
-        computes.append(time.perf_counter() - got)
-    return waits, computes, int(acc)
+
+    t = timed_steps(loader, 0, each=each)  # the warm-up is left out of the slowest rank's figures
+    return t.waits, [step - wait for step, wait in zip(t.steps, t.waits)], int(acc)
 
 
 def timing(loader: CollectiveLoader, where: Where, s: Settings) -> dict[str, Any]:
@@ -345,10 +338,6 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
     return record
 
 
-def record_path(records: str, case: Case, rank: int) -> str:
-    return os.path.join(records, f"{case.name}.{rank}.json")
-
-
 def rank_main(job: Job) -> int:
     """Every rank: run the cases, write a record for each (an exception's traceback included);
     exit 1 on any problem. Stops at an exception: its peers may be stuck in that case's collectives."""
@@ -358,8 +347,7 @@ def rank_main(job: Job) -> int:
             record = run_case(case, job.settings)
         except Exception:  # the report says what happened on which rank
             record = {"error": traceback.format_exc()}
-        with open(record_path(job.records, case, dist.get_rank()), "w") as f:
-            json.dump(record, f)
+        keep(os.path.join(job.records, case.name), record)
         if "error" in record:
             return 1
         failed |= bool(record["problems"] or record.get("timing", {}).get("problems"))
@@ -417,13 +405,8 @@ def run_world(job: Job) -> list[Result]:
 
 
 def read_records(records: str, case: Case) -> dict[int, dict[str, Any]]:
-    out = {}
-    for rank in range(case.size):
-        path = record_path(records, case, rank)
-        if os.path.exists(path):
-            with open(path) as f:
-                out[rank] = json.load(f)
-    return out
+    """Each rank's record of ``case`` (ranks that kept none are absent)."""
+    return {rank: mine[0] for rank, mine in kept(os.path.join(records, case.name)).items()}
 
 
 def verdict(name: str, problems: list[str], passed: str) -> Verdict:
@@ -454,8 +437,8 @@ def sync_verdict(results: list[Result]) -> Verdict:
 
 def quantiles(per_rank: list[list[float]]) -> tuple[float, float]:
     """Median and p90 in ms over steps (warm-up left out) of the slowest rank's time each step."""
-    slowest = [max(step) for step in zip(*per_rank)][WARMUP:]
-    return statistics.median(slowest) * 1e3, statistics.quantiles(slowest, n=10)[-1] * 1e3
+    steps = slowest(per_rank)[WARMUP:]
+    return statistics.median(steps) * 1e3, statistics.quantiles(steps, n=10)[-1] * 1e3
 
 
 def figures(result: Result) -> dict[str, tuple[float, float]]:
@@ -494,13 +477,10 @@ def device_name(s: Settings) -> str:
     return f"cpu {platform.processor() or platform.machine()}, {os.cpu_count()} cores (torch {torch.__version__})"
 
 
-def report(s: Settings, verdicts: list[Verdict], timed: Result, argv: list[str]) -> str:
-    today = datetime.date.today().isoformat()
+def report(s: Settings, verdicts: list[Verdict], timed: Result) -> list[str]:
+    """The report's body, under the title and header ``harness.Run.write`` adds."""
     lines = [
-        f"# CollectiveLoader device check, {today}",
-        "",
         f"device: {device_name(s)}",
-        f"command: `bash bench/gpu_check.sh {' '.join(argv)}`",
         "",
         "| check | verdict | detail |",
         "|---|---|---|",
@@ -528,15 +508,15 @@ def report(s: Settings, verdicts: list[Verdict], timed: Result, argv: list[str])
         lines += [f"| {labels[k]} | {med:.2f} | {p90:.2f} |" for k, (med, p90) in figures(timed).items()]
         lines.append("")
     lines += [f"- {v.name}: {v.status}" for v in verdicts]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run on CPUs (device 'cpu'), on a machine without a GPU")
     parser.add_argument("--out", default=RESULTS, help="directory of the report (default: bench/results)")
-    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    run = Run("gpu_check.sh", argv)
     s = CPU if args.cpu else CUDA
     if s.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here; run with --cpu for the CPU flow", file=sys.stderr)
@@ -560,12 +540,15 @@ def main(argv: list[str] | None = None) -> int:
         wait_verdict(pp_tp),
         delivery_verdict(alone),
     ]
-    text = report(s, verdicts, pp_tp, argv)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"gpu_check_{datetime.date.today().isoformat()}.md")
-    with open(path, "w") as f:
-        f.write(text)
-    print(text + f"written to {path}")
+    today = datetime.date.today().isoformat()
+    results = {
+        "meta": run.meta(device=device_name(s), settings=dataclasses.asdict(s)),
+        "verdicts": [dataclasses.asdict(v) for v in verdicts],
+        "records": {r.case.name: r.records for r in (pp_tp, dp_cp, alone)},
+    }
+    run.write(
+        f"gpu_check_{today}", f"CollectiveLoader device check, {today}", results, report(s, verdicts, pp_tp), args.out
+    )
     return 0 if all(v.status != "failed" for v in verdicts) else 1
 
 

@@ -1,9 +1,11 @@
 """Loading cost: CollectiveLoader (leaders load) vs every rank loading its own StreamingDataset.
 
-    python bench/loading.py            # about 5 minutes: bench/results/loading.{json,md}
-    python bench/loading.py --quick    # about 2 minutes: bench/results/loading_quick.* (git-ignored)
+    python bench/loading.py              # bench/results/loading.{json,md}
+    python bench/loading.py --quick      # a small dataset, one round: bench/results/loading_quick.* (git-ignored)
     python bench/loading.py --placement  # per-node loading CPU of both leader placements, pp outermost
-    python bench/loading.py --remote   # the data local and on a local S3 endpoint: first batch, epoch, fetches
+    python bench/loading.py --remote     # the data local and on a local S3 endpoint: first batch, epoch, fetches
+
+(Run times: bench/README.md.)
 
 An 8-rank gloo world on the mesh ``(dp, pp, tp) = (2, 2, 2)``: two replicas, model-parallel size 4
 (pp x tp). One epoch of a real ``StreamingDataset`` over MDS shards of text written here, with a
@@ -34,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
 import os
 import shutil
@@ -42,17 +43,21 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from machine import (  # bench/machine.py: run as python bench/<name>.py
+from harness import (  # bench/harness.py: run as python bench/<name>.py
+    Run,
     cpu_seconds,
+    keep,
     peak_rss_bytes,
+    rank_table,
     rss_bytes,
-    run_meta,
+    runs_of,
+    worlds_in_rounds,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
@@ -63,7 +68,6 @@ from collective_loader.streaming import StreamingSource, release
 from collective_loader.testing import launch
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MESH = (("dp", "pp", "tp"), (2, 2, 2))
 REPLICATION = 4  # pp x tp: the ranks of one replica, adjacent in this mesh order
 VOCAB = 32000
@@ -84,7 +88,7 @@ class Settings:
     batch_size: int  # per replica
     rounds: int
     data: str = ""
-    out: str = ""
+    out: str = ""  # the records' path (harness.keep): every rank keeps one per world
 
 
 FULL = Settings(samples=4096, words_per_sample=600, seq_len=512, batch_size=8, rounds=2)
@@ -206,16 +210,7 @@ def rank_main(args: tuple[Settings, str, dict[str, str]]) -> int:
         "first": first,
         "ids": ids,
     }
-    return save_run(s, {"variant": variant, "data": "remote" if "remote" in where else "local"}, record)
-
-
-def save_run(s: Settings, run: dict[str, Any], record: dict[str, Any]) -> int:
-    """Every rank's ``record``, gathered; rank 0 appends them to ``s.out`` as one run."""
-    records: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(records, record)
-    if dist.get_rank() == 0:
-        with open(s.out, "a") as f:
-            f.write(json.dumps({**run, "ranks": records}) + "\n")
+    keep(s.out, {"run": {"variant": variant, "data": "remote" if "remote" in where else "local"}, **record})
     return 0
 
 
@@ -247,17 +242,13 @@ def placement_main(args: tuple[Settings, str]) -> int:
     steps = sum(1 for _ in loader)
     loader.close()
     record = {"rank": dist.get_rank(), "cpu": cpu_seconds() - cpu0, "leader": loader.is_leader, "steps": steps}
-    return save_run(s, {"placement": placement}, record)
+    keep(s.out, {"run": {"placement": placement}, **record})
+    return 0
 
 
-def placement_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+def placement_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     names, shape = PLACEMENT_MESH
     lines = [
-        "# Leader placement: loading CPU per node (gloo, this machine)",
-        "",
-        f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; `{meta['command']}` ran {meta['seconds']:.0f} s; "
-        f"load average {meta['load_before']} before, {meta['load_after']} after.",
-        "",
         f"Mesh {dict(zip(names, shape))}, pp outermost: 8 ranks standing for two nodes of {NODE_SIZE} (node = rank // "
         f"{NODE_SIZE}; one host, so only the CPU split is measured, not the network). One epoch of "
         f"{meta['settings']['samples']} samples through `StreamingSource` + `CollectiveLoader` with each `placement`; "
@@ -276,7 +267,7 @@ def placement_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             f"| {placement} | {leaders} | {med[0]:.1f} | {med[1]:.1f} | {max(med) / max(min(med), 1e-9):.2f} | "
             f"{sum(med):.1f} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -311,8 +302,7 @@ def check_coverage(run: dict[str, Any], samples: int, batch_size: int) -> str:
     return "ok"
 
 
-def markdown(results: dict[str, Any]) -> str:
-    meta, runs = results["meta"], results["runs"]
+def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     s = {v: [summarize(r) for r in runs if r["variant"] == v] for v in VARIANTS}
     med = {v: {k: statistics.median(x[k] for x in s[v]) for k in s[v][0]} for v in VARIANTS}
     ratio = {k: med["collective_loader"][k] / med["every_rank_loads"][k] for k in med["collective_loader"]}
@@ -322,11 +312,6 @@ def markdown(results: dict[str, Any]) -> str:
     }
     gib, mib = 2**30, 2**20
     lines = [
-        "# Loading cost: collective_loader vs every rank loads (gloo, this machine)",
-        "",
-        f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; Python {meta['python']}. `{meta['command']}` "
-        f"ran {meta['seconds']:.0f} s; load average {meta['load_before']} before, {meta['load_after']} after.",
-        "",
         f"Mesh (dp, pp, tp) = (2, 2, 2): 8 ranks, 2 replicas, model-parallel size 4. One epoch of "
         f"{meta['settings']['samples']} samples of {meta['settings']['words_per_sample']} words, per-replica batch "
         f"{meta['settings']['batch_size']}, sequence {meta['settings']['seq_len']} tokens, tokenization-like collate, "
@@ -364,18 +349,12 @@ def markdown(results: dict[str, Any]) -> str:
         f"| ratio | {ratio['cpu']:.2f} | {ratio['loading_ranks_cpu']:.2f} | {ratio['cpu_total']:.2f} | "
         f"{ratio['rss_added']:.2f} | {ratio['peak_rss']:.2f} | {ratio['wall']:.2f} | |"
     )
-    lines += [
-        "",
-        "Per rank (first round): CPU s added / peak RSS added (MiB)",
-        "",
-        "| variant | " + " | ".join(f"rank {i}" for i in range(8)) + " |",
-        "|---|" + "---|" * 8,
-    ]
-    for v in VARIANTS:
-        first = next(r for r in runs if r["variant"] == v)
-        cells = [f"{r['cpu']:.1f} / {(r['peak_rss'] - r['rss_start']) / mib:.0f}" for r in first["ranks"]]
-        lines.append(f"| {v.replace('_', ' ')} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    firsts = {v.replace("_", " "): next(r for r in runs if r["variant"] == v)["ranks"] for v in VARIANTS}
+    cells = {
+        v: [f"{r['cpu']:.1f} / {(r['peak_rss'] - r['rss_start']) / mib:.0f}" for r in ranks]
+        for v, ranks in firsts.items()
+    }
+    return [*lines, "", "Per rank (first round): CPU s added / peak RSS added (MiB)", "", *rank_table("variant", cells)]
 
 
 def fetch_summary(run: dict[str, Any]) -> dict[str, float]:
@@ -391,14 +370,9 @@ def fetch_summary(run: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def remote_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+def remote_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     settings, mib = meta["settings"], 2**20
     lines = [
-        "# Remote data: collective_loader vs every rank loads, data local and on an S3 endpoint (gloo, this machine)",
-        "",
-        f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; Python {meta['python']}. `{meta['command']}` "
-        f"ran {meta['seconds']:.0f} s; load average {meta['load_before']} before, {meta['load_after']} after.",
-        "",
         f"Mesh (dp, pp, tp) = (2, 2, 2): 8 ranks, leaders {list(MeshLayout.build(*MESH, range(8)).leaders())}. One "
         f"epoch of {settings['samples']} samples of {settings['words_per_sample']} words, per-replica batch "
         f"{settings['batch_size']}, tokenization-like collate, no DataLoader workers, `shuffle=False`. *remote*: "
@@ -430,39 +404,19 @@ def remote_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             f"{m['fetching_ranks']:.0f} | {m['leader_requests']:.0f} / {m['other_requests']:.0f} | "
             f"{m['leader_bytes'] / mib:.1f} / {m['other_bytes'] / mib:.1f} | {cover} |"
         )
-    lines += [
-        "",
-        "Per rank, remote data (first round): requests / MiB fetched",
-        "",
-        "| loader | " + " | ".join(f"rank {i}" for i in range(8)) + " |",
-        "|---|" + "---|" * 8,
-    ]
+    cells = {}
     for variant in VARIANTS:
         first = next(r for r in runs if r["data"] == "remote" and r["variant"] == variant)
         requests, sent = first["fetched"]["requests"], first["fetched"]["bytes"]
-        cells = [f"{requests.get(f'rank{i}', 0)} / {sent.get(f'rank{i}', 0) / mib:.1f}" for i in range(8)]
-        lines.append(f"| {variant.replace('_', ' ')} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        cells[variant.replace("_", " ")] = [
+            f"{requests.get(f'rank{i}', 0)} / {sent.get(f'rank{i}', 0) / mib:.1f}" for i in range(8)
+        ]
+    return [*lines, "", "Per rank, remote data (first round): requests / MiB fetched", "", *rank_table("loader", cells)]
 
 
-def run_rounds(
-    s: Settings,
-    cases: Sequence[Any],
-    world: Callable[[Any, int], tuple[Callable[..., int], Any]],
-    done: Callable[[Any], None] = lambda case: None,
-) -> int:
-    """Each case in an 8-rank world of its own, ``s.rounds`` times, the order reversed every other
-    round; ``world(case, round)`` gives the world's entry and its argument, ``done(case)`` runs
-    after it. The first failing world's exit code, else 0."""
-    for r in range(s.rounds):
-        for case in cases if r % 2 == 0 else cases[::-1]:
-            code = launch.run(*world(case, r), 8, timeout=1200)
-            if code:
-                print(f"{case} world failed with exit code {code}", file=sys.stderr)
-                return code
-            done(case)
-            print(f"round {r + 1}: {case} done", flush=True)
-    return 0
+def in_world(entry: Callable[[Any], int], arg: Any) -> int:
+    """``entry(arg)`` on the 8 ranks of a world of its own; their exit code."""
+    return launch.run(entry, arg, 8, timeout=1200)
 
 
 def remote_rounds(s: Settings, tmp: str) -> tuple[int, list[dict[str, Any]]]:
@@ -477,20 +431,19 @@ def remote_rounds(s: Settings, tmp: str) -> tuple[int, list[dict[str, Any]]]:
             client.upload_file(os.path.join(s.data, name), BUCKET, f"{PREFIX}/{name}")
         s3.clear()
 
-        def world(case: tuple[str, str], r: int) -> tuple[Callable[..., int], Any]:
+        def world(case: tuple[str, str], r: int) -> int:
             data, variant = case
             where = (
                 {"local": s.data}
                 if data == "local"
                 else {"remote": f"s3://{BUCKET}/{PREFIX}", "local": os.path.join(tmp, f"cache_{r}_{variant}")}
             )
-            return rank_main, (s, variant, where)
-
-        def done(case: tuple[str, str]) -> None:
+            code = in_world(rank_main, (s, variant, where))
             fetches.append({"requests": s3.requests_by_client(), "bytes": s3.bytes_by_client()})
             s3.clear()
+            return code
 
-        return run_rounds(s, REMOTE_CASES, world, done), fetches
+        return worlds_in_rounds(REMOTE_CASES, s.rounds, world), fetches
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -506,33 +459,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     name = "loading_placement" if args.placement else "loading_remote" if args.remote else "loading"
     name += "_quick" if args.quick else ""
-    load_before, start = os.getloadavg(), time.time()
+    run = Run("loading.py", argv)
     tmp = tempfile.mkdtemp(prefix="cl_loading_")
     try:
         s = dataclasses.replace(
-            QUICK if args.quick else FULL, data=os.path.join(tmp, "mds"), out=os.path.join(tmp, "runs.jsonl")
+            QUICK if args.quick else FULL, data=os.path.join(tmp, "mds"), out=os.path.join(tmp, "records")
         )
         write_dataset(s.data, s)
         fetches: list[dict[str, Any]] = []
         if args.remote:
             code, fetches = remote_rounds(s, tmp)
         elif args.placement:
-            code = run_rounds(s, ("first_stage", "spread"), lambda p, r: (placement_main, (s, p)))
+            code = worlds_in_rounds(("first_stage", "spread"), s.rounds, lambda p, r: in_world(placement_main, (s, p)))
         else:
-            code = run_rounds(s, VARIANTS, lambda v, r: (rank_main, (s, v, {"local": s.data})))
+            code = worlds_in_rounds(VARIANTS, s.rounds, lambda v, r: in_world(rank_main, (s, v, {"local": s.data})))
         if code:
             return code
-        with open(s.out) as f:
-            runs = [json.loads(line) for line in f]
+        runs = [
+            {**ranks[0]["run"], "ranks": [{k: v for k, v in x.items() if k != "run"} for x in ranks]}
+            for ranks in runs_of(s.out)
+        ]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if fetches:
         runs = [{**run, "fetched": fetched} for run, fetched in zip(runs, fetches, strict=True)]
     results = {
-        "meta": {
-            **run_meta("loading.py", start, load_before),
-            "settings": dataclasses.asdict(s) | {"data": None, "out": None},
-        },
+        "meta": run.meta(settings=dataclasses.asdict(s) | {"data": None, "out": None}),
         "runs": [
             {
                 **r,
@@ -544,17 +496,13 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     if args.placement:
-        text = placement_markdown(results["meta"], runs)
+        title, body = "Leader placement: loading CPU per node", placement_markdown(results["meta"], runs)
     elif args.remote:
-        text = remote_markdown(results["meta"], runs)
+        title = "Remote data: collective_loader vs every rank loads, data local and on an S3 endpoint"
+        body = remote_markdown(results["meta"], runs)
     else:
-        text = markdown({"meta": results["meta"], "runs": runs})
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
-        json.dump(results, f)
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write(text)
-    print(text)
+        title, body = "Loading cost: collective_loader vs every rank loads", markdown(results["meta"], runs)
+    run.write(name, f"{title} (gloo, this machine)", results, body)
     return 0
 
 

@@ -1,7 +1,9 @@
 """Tokenizing and packing text on the leaders vs on every rank.
 
-    python bench/packing.py            # a few minutes: bench/results/packing.{json,md}
-    python bench/packing.py --quick    # about a minute: bench/results/packing_quick.* (not committed)
+    python bench/packing.py            # bench/results/packing.{json,md}
+    python bench/packing.py --quick    # a small corpus, one round: bench/results/packing_quick.* (git-ignored)
+
+(Run times: bench/README.md.)
 
 Real text: the docstrings of Python's standard library (English technical prose,
 documents of a few words to a few pages), with pydoc's topic pages; a real BPE tokenizer: byte-level
@@ -30,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -45,7 +45,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from machine import cpu_seconds, machine  # bench/machine.py: run as python bench/<name>.py
+from harness import (  # bench/harness.py: run as python bench/<name>.py
+    Run,
+    cpu_seconds,
+    keep,
+    rank_table,
+    runs_of,
+    worlds_in_rounds,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
@@ -58,7 +65,6 @@ from collective_loader.text import Packing, TextColumn
 from collective_loader.text.layouts import DocumentCollate
 from collective_loader.text.rows import PackedRows
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MESH = (("dp", "pp", "tp"), (2, 2, 2))
 REPLICATION = 4  # pp x tp
 SEQ_LEN, ROWS, DOCS_PER_BATCH = 1024, 4, 16
@@ -171,7 +177,7 @@ def rank_main(args: tuple[Settings, str]) -> int:
                 tokens, slots = tokens + t, slots + n
             steps += 1
         wall = time.perf_counter() - start
-        stats = loader_._source.packing_stats() if loader_.is_leader else {}
+        stats = loader_.source.packing_stats() if loader_.source is not None else {}
         loader_.close()  # joins the DataLoader workers: their CPU is in RUSAGE_CHILDREN from here
     record = {
         "rank": rank,
@@ -182,8 +188,7 @@ def rank_main(args: tuple[Settings, str]) -> int:
         "steps": steps,
         "stats": stats,
     }
-    with open(os.path.join(s.out, f"{variant}_{rank}.json"), "w") as f:
-        json.dump(record, f)
+    keep(s.out, {"variant": variant, **record})
     return 0
 
 
@@ -213,7 +218,7 @@ def summarize(records: list[dict[str, Any]], variant: str) -> dict[str, Any]:
     }
 
 
-def report(s: Settings, runs: list[dict[str, Any]], seconds: float, load: tuple[str, str], quick: bool) -> str:
+def report(s: Settings, runs: list[dict[str, Any]], quick: bool) -> list[str]:
     med = {
         v: {
             k: statistics.median(r[k] for r in runs if r["variant"] == v)
@@ -222,13 +227,8 @@ def report(s: Settings, runs: list[dict[str, Any]], seconds: float, load: tuple[
         for v in VARIANTS
     }
     naive = med["every_rank_tokenizes"]
-    cmd = "python bench/packing.py" + (" --quick" if quick else "")
     lines = [
-        "# Tokenizing and packing on the leaders vs on every rank (gloo, this machine)",
-        "",
-        f"{time.strftime('%Y-%m-%d %H:%M')}; {machine()}; torch {torch.__version__}; Python {platform.python_version()}. "
-        f"`{cmd}` ran {seconds:.0f} s; load average {load[0]} before, {load[1]} after (the machine was shared: "
-        "absolute times move with the load; CPU seconds much less).",
+        "Absolute times move with the load; CPU seconds much less.",
         "",
         f"Mesh (dp, pp, tp) = (2, 2, 2): 8 ranks, 2 replicas. One epoch of {s.documents} documents "
         f"({s.characters / 1e6:.2f} M characters of docstrings and pydoc topics"
@@ -254,51 +254,36 @@ def report(s: Settings, runs: list[dict[str, Any]], seconds: float, load: tuple[
         "",
         f"CPU seconds per rank (first round; ranks {leaders} lead, with their DataLoader workers):",
         "",
-        "| set-up | " + " | ".join(f"rank {i}" for i in range(8)) + " |",
-        "|---|" + "---|" * 8,
     ]
-    for v in VARIANTS:
-        first = next(r for r in runs if r["variant"] == v)
-        lines.append(f"| {v.replace('_', ' ')} | " + " | ".join(f"{c:.1f}" for c in first["cpu_per_rank"]) + " |")
-    return "\n".join(lines) + "\n"
+    firsts = {v.replace("_", " "): next(r for r in runs if r["variant"] == v)["cpu_per_rank"] for v in VARIANTS}
+    return lines + rank_table("set-up", {v: [f"{c:.1f}" for c in cpu] for v, cpu in firsts.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a small corpus, one round")
     ns = p.parse_args(argv)
-    started, load0 = time.perf_counter(), " ".join(f"{x:.1f}" for x in os.getloadavg())
+    run = Run("packing.py", argv)
     tmp = tempfile.mkdtemp(prefix="bench_packing_")
     try:
         texts = corpus(400_000) if ns.quick else corpus(10**8) * REPEAT  # the whole corpus: 2.3 M characters
         np.random.default_rng(1).shuffle(texts)
         data, out = os.path.join(tmp, "text"), os.path.join(tmp, "records")
-        os.makedirs(out)
         write_text_documents(data, texts, shard_bytes=1 << 20)
         tokenizer = train_tokenizer(texts, os.path.join(tmp, "tokenizer"), vocab_size=32000)
         s = Settings(data, tokenizer, out, len(texts), sum(map(len, texts)), 1 if ns.quick else 2)
-        runs = []
-        for r in range(s.rounds):
-            for v in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-                code = launch.run(rank_main, (s, v), 8, timeout=1800)
-                if code:
-                    print(f"{v} world failed with exit code {code}", file=sys.stderr)
-                    return code
-                records = []
-                for rank in range(8):
-                    with open(os.path.join(out, f"{v}_{rank}.json")) as f:
-                        records.append(json.load(f))
-                runs.append(summarize(records, v))
-                print(f"round {r + 1}: {v} done: {runs[-1]}", flush=True)
-        load1 = " ".join(f"{x:.1f}" for x in os.getloadavg())
-        name = "packing_quick" if ns.quick else "packing"
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
-            json.dump({"settings": asdict(s) | {"seq_len": SEQ_LEN, "rows": ROWS}, "runs": runs}, f, indent=1)
-        text = report(s, runs, time.perf_counter() - started, (load0, load1), ns.quick)
-        with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-            f.write(text)
-        print(text)
+        code = worlds_in_rounds(VARIANTS, s.rounds, lambda v, r: launch.run(rank_main, (s, v), 8, timeout=1800))
+        if code:
+            return code
+        runs = [summarize(ranks, ranks[0]["variant"]) for ranks in runs_of(out)]
+        results = {
+            "meta": run.meta(settings=asdict(s) | {"data": None, "tokenizer": None, "out": None}),
+            "seq_len": SEQ_LEN,
+            "rows": ROWS,
+            "runs": runs,
+        }
+        title = "Tokenizing and packing on the leaders vs on every rank (gloo, this machine)"
+        run.write("packing_quick" if ns.quick else "packing", title, results, report(s, runs, ns.quick))
         return 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

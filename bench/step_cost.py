@@ -4,6 +4,8 @@
     python bench/step_cost.py --before REV    # REV (a commit) and the working tree, side by side
     python bench/step_cost.py --quick         # a small version: bench/results/step_cost_quick.* (git-ignored)
 
+(Run times: bench/README.md.)
+
 Every measurement runs in a 2-rank gloo world, mesh ``("dp", "tp") = (1, 2)``: rank 0 is the
 leader, rank 1 receives (a tp peer: a copy of the whole batch). Batches are two int64 tensors
 (``input_ids``, ``labels``) built once, so only delivery is counted, never loading. With
@@ -37,7 +39,6 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import json
 import os
 import queue
 import statistics
@@ -49,9 +50,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import harness  # bench/harness.py: run as python bench/<name>.py
 import torch
 import torch.distributed as dist
-from machine import run_meta  # bench/machine.py: run as python bench/<name>.py
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset
 
@@ -59,14 +60,13 @@ import collective_loader
 from collective_loader import CollectiveLoader
 from collective_loader.testing import launch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KIB, MIB = 1 << 10, 1 << 20
 SKIP = 3  # warm-up steps left out at the start of every epoch
 TAIL = 4  # steps after the last measured one: the transfer thread is still alive when its clock is read
 TIMEOUT = 120.0  # seconds a loader waits in one collective
 STEP = 0.020  # seconds of a training step: the host-idle sleep and the Python-bound loop's target
 LEADER = 0
+ROLES = ("leader", "receiver")  # rank LEADER, the other rank
 WORKERS = 2  # DataLoader worker processes per rank
 BLOCK = 20  # steps of the Python-bound loop each feed runs in its turn
 COLD_ROUNDS = 10  # rounds of python_work in the floor's fixed piece of work
@@ -75,7 +75,7 @@ IDLE = 100e-6  # seconds of sleep before the piece of work "after an idle"
 CPU_LIMIT = 1.5  # transfer-thread CPU per step over the raw broadcast thread's
 NEXT_LIMIT = 20e-6  # seconds inside next() for a ready batch
 WAIT_LIMIT = 0.02  # exposed wait over the 20 ms step
-STEP_LIMITS = {64 * KIB: 1.5, MIB: 1.15, 16 * MIB: 1.15}  # loader p=1 step over raw broadcast
+STEP_LIMITS = {64 * harness.KIB: 1.5, harness.MIB: 1.15, 16 * harness.MIB: 1.15}  # loader p=1 step over raw broadcast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,16 +97,16 @@ class Settings:
 
 
 FULL = Settings(
-    payloads=(64 * KIB, MIB, 16 * MIB),
-    loop_payloads=(64 * KIB, MIB),
+    payloads=(64 * harness.KIB, harness.MIB, 16 * harness.MIB),
+    loop_payloads=(64 * harness.KIB, harness.MIB),
     steps=(400, 200, 40),
     loop_steps=100,
     rounds=3,
     world_timeout=900,
 )
 QUICK = Settings(
-    payloads=(64 * KIB, MIB),
-    loop_payloads=(64 * KIB,),
+    payloads=(64 * harness.KIB, harness.MIB),
+    loop_payloads=(64 * harness.KIB,),
     steps=(60, 30),
     loop_steps=30,
     rounds=1,
@@ -124,17 +124,6 @@ def make_batch(nbytes: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.roll(-1, 1)}
 
 
-class Repeat:
-    """A source yielding the same batch ``steps`` times per epoch; set ``steps`` before ``iter``."""
-
-    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
-        self.batch = batch
-        self.steps = 0
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return itertools.repeat(self.batch, self.steps)
-
-
 class Fresh(Dataset):
     """What a DataLoader worker hands over each step: a fresh copy of the batch (a real dataset
     builds new tensors per item; the same tensor would be moved to shared memory once only)."""
@@ -149,8 +138,8 @@ class Fresh(Dataset):
         return {k: v.clone() for k, v in self.batch.items()}
 
 
-def new_loader(batch: dict[str, torch.Tensor], mesh: Any, **options: Any) -> tuple[CollectiveLoader, Repeat]:
-    source = Repeat(batch)
+def new_loader(batch: dict[str, torch.Tensor], mesh: Any, **options: Any) -> tuple[CollectiveLoader, harness.Repeat]:
+    source = harness.Repeat(batch)
     loader = CollectiveLoader(source, mesh, inputs=("input_ids",), labels=("labels",), timeout=TIMEOUT, **options)
     return loader, source
 
@@ -167,56 +156,36 @@ def transfer_clock() -> int:
     return time.pthread_getcpuclockid(threads[0].ident)
 
 
-def gather(value: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def slowest(values: list[float]) -> list[float]:
-    """Per step, the largest value over the ranks."""
-    return [max(v) for v in zip(*gather(values))]
-
-
 # --- the measurements (every rank) --------------------------------------------------------------
 
 
-def loader_epoch(loader: CollectiveLoader, source: Repeat, n: int, compute: float = 0.0) -> dict[str, Any]:
+def loader_epoch(loader: CollectiveLoader, source: harness.Repeat, n: int, compute: float = 0.0) -> dict[str, Any]:
     """One epoch of ``n`` measured steps (after ``SKIP``, before ``TAIL``): this rank's step times,
     time and CPU time inside ``next()``, and its transfer thread's and process's CPU per step.
     ``compute`` seconds of sleep follow every step (a host-idle training step)."""
+    cpu: dict[str, Any] = {}  # the transfer thread's clock, then its CPU and the process's per step
+
+    def each(i: int, batch: Any) -> None:
+        if i == SKIP - 1:
+            cpu["clock"] = transfer_clock()
+            cpu["thread"], cpu["process"] = time.clock_gettime(cpu["clock"]), time.process_time()
+        elif i == SKIP + n - 1:
+            cpu["thread"] = (time.clock_gettime(cpu["clock"]) - cpu["thread"]) / n
+            cpu["process"] = (time.process_time() - cpu["process"]) / n
+        if compute:
+            time.sleep(compute)
+
     gc.collect()
     dist.barrier()
     source.steps = SKIP + n + TAIL
-    it = iter(loader)
-    steps, waits, wait_cpu = [], [], []
-    clock, cpu0, proc0 = 0, 0.0, 0.0
-    thread_cpu = proc = 0.0
-    last = time.perf_counter()
-    for i in itertools.count():
-        start_cpu = time.thread_time()
-        start = time.perf_counter()  # the wall window holds next() and nothing of thread_time()
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
-        now = time.perf_counter()
-        now_cpu = time.thread_time()
-        del batch
-        if SKIP <= i < SKIP + n:
-            steps.append(now - last)
-            waits.append(now - start)
-            wait_cpu.append(now_cpu - start_cpu)
-        if i == SKIP - 1:
-            clock = transfer_clock()
-            cpu0, proc0 = time.clock_gettime(clock), time.process_time()
-        elif i == SKIP + n - 1:
-            thread_cpu = (time.clock_gettime(clock) - cpu0) / n
-            proc = (time.process_time() - proc0) / n
-        last = now
-        if compute:
-            time.sleep(compute)
-    return {"steps": steps, "waits": waits, "wait_cpu": wait_cpu, "thread_cpu": thread_cpu, "process_cpu": proc}
+    t = harness.timed_steps(loader, SKIP, n, each)
+    return {
+        "steps": t.steps,
+        "waits": t.waits,
+        "wait_cpu": t.wait_cpu,
+        "thread_cpu": cpu["thread"],
+        "process_cpu": cpu["process"],
+    }
 
 
 def raw_epoch(nbytes: int, group: dist.ProcessGroup, n: int) -> dict[str, Any]:
@@ -256,7 +225,7 @@ def calibrate() -> int:
     """Rounds of :func:`python_work` that take about ``STEP`` on rank 0 (every rank uses its number)."""
     x = torch.ones(16)
     best = min(timed(lambda: python_work(500, x)) for _ in range(5))
-    return gather(max(1, round(STEP / (best / 500))))[0]
+    return harness.gather(max(1, round(STEP / (best / 500))))[0]
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -299,7 +268,12 @@ def python_loops(
     for feed in feeds.values():
         for _ in feed:  # to its end: the loader's epoch ends on every rank alike
             pass
-    return {name: max(gather(total / (blocks * BLOCK))) for name, total in spent.items()}
+    return {name: max(harness.gather(total / (blocks * BLOCK))) for name, total in spent.items()}
+
+
+def one_round(runs: dict[str, Callable[[], Any]], r: int) -> dict[str, Any]:
+    """Every run once, in the order of round ``r`` (the rounds are the worlds)."""
+    return {name: results[0] for name, results in harness.in_rounds(runs, 1, first=r).items()}
 
 
 def payload_case(s: Settings, mesh: Any, raw_group: dist.ProcessGroup, nbytes: int) -> dict[str, Any]:
@@ -312,14 +286,14 @@ def payload_case(s: Settings, mesh: Any, raw_group: dist.ProcessGroup, nbytes: i
         "loader": lambda: loader_epoch(loader, source, n),
         "raw": lambda: raw_epoch(nbytes, raw_group, n),
     }
-    out = rotate(runs, s.round)
+    out = one_round(runs, s.round)
     loader.close()
     record: dict[str, Any] = {"payload": nbytes, "tensor_bytes": sum(t.nbytes for t in batch.values()), "steps": n}
     for name, r in out.items():
         record[name] = {
-            "step_p50": statistics.median(slowest(r["steps"])),
-            "thread_cpu": gather(r["thread_cpu"]),
-            "process_cpu": gather(r["process_cpu"]),
+            "step_p50": statistics.median(harness.slowest(harness.gather(r["steps"]))),
+            "thread_cpu": harness.gather(r["thread_cpu"]),
+            "process_cpu": harness.gather(r["process_cpu"]),
         }
     return record
 
@@ -341,17 +315,17 @@ def loop_case(s: Settings, mesh: Any, sync: dist.ProcessGroup, k: int, nbytes: i
         feeds = {"memory": itertools.repeat(batch, total), "loader": iter(loader), "dataloader": iter(dataloader)}
         return python_loops(feeds, k, blocks, sync, s.round)
 
-    out = rotate({"loops": loops, "idle": lambda: loader_epoch(loader, source, n, compute=STEP)}, s.round)
+    out = one_round({"loops": loops, "idle": lambda: loader_epoch(loader, source, n, compute=STEP)}, s.round)
     loader.close()
     idle = out["idle"]
     return {
         "payload": nbytes,
         "loop": out["loops"],
-        "next_p50": gather(statistics.median(idle["waits"])),
-        "next_cpu_p50": gather(statistics.median(idle["wait_cpu"])),
-        "next_mean": gather(statistics.fmean(idle["waits"])),
-        "exposed": statistics.fmean(slowest(idle["waits"])),
-        "idle_thread_cpu": gather(idle["thread_cpu"]),
+        "next_p50": harness.gather(statistics.median(idle["waits"])),
+        "next_cpu_p50": harness.gather(statistics.median(idle["wait_cpu"])),
+        "next_mean": harness.gather(statistics.fmean(idle["waits"])),
+        "exposed": statistics.fmean(harness.slowest(harness.gather(idle["waits"]))),
+        "idle_thread_cpu": harness.gather(idle["thread_cpu"]),
     }
 
 
@@ -375,17 +349,10 @@ def floor_case(n: int) -> dict[str, Any]:
             python_work(COLD_ROUNDS, x)
             into.append(time.thread_time() - start)
     return {
-        "next_floor": gather(statistics.median(floor)),
-        "work_hot": gather(statistics.median(hot)),
-        "work_after_idle": gather(statistics.median(cold)),
+        "next_floor": harness.gather(statistics.median(floor)),
+        "work_hot": harness.gather(statistics.median(hot)),
+        "work_after_idle": harness.gather(statistics.median(cold)),
     }
-
-
-def rotate(runs: dict[str, Callable[[], Any]], k: int) -> dict[str, Any]:
-    """Every run once, starting at the ``k``-th (mod len): rounds rotate the order."""
-    names = list(runs)
-    k %= len(names)
-    return {name: runs[name]() for name in names[k:] + names[:k]}
 
 
 def world_main(s: Settings) -> int:
@@ -411,8 +378,7 @@ def world_main(s: Settings) -> int:
     record["floor"] = floor_case(s.loop_steps)
     record["load_after"] = os.getloadavg()[0]
     if dist.get_rank() == 0:
-        with open(s.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        harness.keep(s.out, record)
         print(f"{s.version or 'working tree'} round {s.round} done ({record['package']})", flush=True)
     return 0
 
@@ -470,15 +436,11 @@ def us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-def size(nbytes: int) -> str:
-    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
-
-
 def summarize(records: list[dict[str, Any]], version: str) -> dict[str, Any]:
     """Medians over rounds of one version's figures."""
     mine = [r for r in records if r["version"] == version]
     out: dict[str, Any] = {"payloads": {}, "loops": {}, "rounds": len(mine)}
-    roles = (("leader", LEADER), ("receiver", 1 - LEADER))
+    roles = tuple(zip(ROLES, (LEADER, 1 - LEADER)))
     for i, nbytes in enumerate(p["payload"] for p in mine[0]["payloads"]):
         rows = [r["payloads"][i] for r in mine]
         row: dict[str, Any] = {}
@@ -522,7 +484,7 @@ def target_rows(v: dict[str, Any]) -> list[tuple[str, str, bool]]:
         worst = max(p["thread_cpu_ratio_leader"], p["thread_cpu_ratio_receiver"])
         rows.append(
             (
-                f"transfer-thread CPU <= {CPU_LIMIT}x raw broadcast's, {size(nbytes)}",
+                f"transfer-thread CPU <= {CPU_LIMIT}x raw broadcast's, {harness.size(nbytes)}",
                 f"leader {p['thread_cpu_ratio_leader']:.2f}x, receiver {p['thread_cpu_ratio_receiver']:.2f}x",
                 worst <= CPU_LIMIT,
             )
@@ -531,7 +493,7 @@ def target_rows(v: dict[str, Any]) -> list[tuple[str, str, bool]]:
         worst = max(p["next_p50_leader"], p["next_p50_receiver"])
         rows.append(
             (
-                f"next() <= {us(NEXT_LIMIT)} for a ready batch, {size(nbytes)}",
+                f"next() <= {us(NEXT_LIMIT)} for a ready batch, {harness.size(nbytes)}",
                 f"leader {us(p['next_p50_leader'])}, receiver {us(p['next_p50_receiver'])}",
                 worst <= NEXT_LIMIT,
             )
@@ -539,16 +501,16 @@ def target_rows(v: dict[str, Any]) -> list[tuple[str, str, bool]]:
     for nbytes, p in v["loops"].items():
         rows.append(
             (
-                f"Python-bound slowdown <= plain DataLoader's, {size(nbytes)}",
+                f"Python-bound slowdown <= plain DataLoader's, {harness.size(nbytes)}",
                 f"loader {p['loader_slowdown']:+.1%}, DataLoader {p['dataloader_slowdown']:+.1%}",
                 p["loader_slowdown"] <= p["dataloader_slowdown"],
             )
         )
     for nbytes, p in v["payloads"].items():
-        limit = STEP_LIMITS.get(nbytes, 1.15 if nbytes >= MIB else 1.5)
+        limit = STEP_LIMITS.get(nbytes, 1.15 if nbytes >= harness.MIB else 1.5)
         rows.append(
             (
-                f"step <= {limit}x raw broadcast, {size(nbytes)}",
+                f"step <= {limit}x raw broadcast, {harness.size(nbytes)}",
                 f"{p['step_ratio']:.2f}x",
                 p["step_ratio"] <= limit,
             )
@@ -556,7 +518,7 @@ def target_rows(v: dict[str, Any]) -> list[tuple[str, str, bool]]:
     for nbytes, p in v["loops"].items():
         rows.append(
             (
-                f"exposed wait <= {WAIT_LIMIT:.0%} of a 20 ms step, {size(nbytes)}",
+                f"exposed wait <= {WAIT_LIMIT:.0%} of a 20 ms step, {harness.size(nbytes)}",
                 f"{p['exposed'] / STEP:.1%}",
                 p["exposed"] <= WAIT_LIMIT * STEP,
             )
@@ -564,19 +526,15 @@ def target_rows(v: dict[str, Any]) -> list[tuple[str, str, bool]]:
     return rows
 
 
-def markdown(results: dict[str, Any]) -> str:
+def markdown(results: dict[str, Any]) -> list[str]:
+    """The report's body, under the title and header ``harness.Run.write`` adds."""
     meta = results["meta"]
     versions = results["versions"]
     names = list(versions)
     head = " | ".join(f"{n} ({meta['labels'][n]})" for n in names)
     lines = [
-        "# Per-step cost of delivery to the training process (gloo, this machine)",
-        "",
         (
-            f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; Python {meta['python']}. "
-            f"`{meta['command']}` ran {meta['seconds']:.0f} s; load average {meta['load_before']} before, "
-            f"{meta['load_after']} after (other processes share the cores: CPU times are steadier than wall times); "
-            "1-minute load average at the start and end of each world: "
+            "CPU times are steadier than wall times. 1-minute load average at the start and end of each world: "
             + "; ".join(f"{n} " + ", ".join(f"{a:.1f}-{b:.1f}" for a, b in versions[n]["load"]) for n in names)
             + "."
         ),
@@ -590,53 +548,67 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "## Targets (issue 23)",
         "",
-        f"| target | {head} |",
-        "|---|" + "---|" * len(names),
     ]
     per_version = {n: target_rows(versions[n]) for n in names}
-    for i, (target, _, _) in enumerate(per_version[names[0]]):
-        cells = [f"{per_version[n][i][1]}: {verdict(per_version[n][i][2])}" for n in names]
-        lines.append(f"| {target} | " + " | ".join(cells) + " |")
+    lines += harness.table(
+        f"target | {head}",
+        [
+            (target, *(f"{per_version[n][i][1]}: {verdict(per_version[n][i][2])}" for n in names))
+            for i, (target, _, _) in enumerate(per_version[names[0]])
+        ],
+    )
     lines += [
-        "",
         "## 1. CPU per step: transfer thread and process, against a raw broadcast on a thread",
         "",
         "Per step, µs; ratio = loader / raw broadcast. The loader epoch uses `prefetch=1`, no compute.",
         "",
-        "| version | payload | role | transfer thread | raw broadcast thread | ratio | process CPU, loader | "
-        "process CPU, raw | ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for n in names:
-        for nbytes, p in versions[n]["payloads"].items():
-            for role in ("leader", "receiver"):
-                lines.append(
-                    f"| {n} | {size(nbytes)} | {role} | {p[f'loader_thread_cpu_{role}'] * 1e6:.0f} | "
-                    f"{p[f'raw_thread_cpu_{role}'] * 1e6:.0f} | {p[f'thread_cpu_ratio_{role}']:.2f} | "
-                    f"{p[f'loader_process_cpu_{role}'] * 1e6:.0f} | {p[f'raw_process_cpu_{role}'] * 1e6:.0f} | "
-                    f"{p[f'process_cpu_ratio_{role}']:.2f} |"
-                )
+    lines += harness.table(
+        "version | payload | role | transfer thread | raw broadcast thread | ratio | process CPU, loader | "
+        "process CPU, raw | ratio",
+        [
+            (
+                n,
+                harness.size(nbytes),
+                role,
+                f"{p[f'loader_thread_cpu_{role}'] * 1e6:.0f}",
+                f"{p[f'raw_thread_cpu_{role}'] * 1e6:.0f}",
+                f"{p[f'thread_cpu_ratio_{role}']:.2f}",
+                f"{p[f'loader_process_cpu_{role}'] * 1e6:.0f}",
+                f"{p[f'raw_process_cpu_{role}'] * 1e6:.0f}",
+                f"{p[f'process_cpu_ratio_{role}']:.2f}",
+            )
+            for n in names
+            for nbytes, p in versions[n]["payloads"].items()
+            for role in ROLES
+        ],
+    )
     lines += [
-        "",
         "## 2. Time in `next()` for a ready batch, and 4b. exposed wait of a host-idle 20 ms step",
         "",
         "Default prefetch; the loop sleeps 20 ms per step. Time in `next()`: each rank's median (wall; CPU of the "
         "training thread in brackets) and mean; exposed wait: mean over steps of the slowest rank's time in "
         "`next()`, over 20 ms. Transfer-thread CPU per step in this epoch in the last column.",
         "",
-        "| version | payload | role | next() p50 (CPU) | next() mean | exposed wait / 20 ms | transfer thread CPU |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for n in names:
-        for nbytes, p in versions[n]["loops"].items():
-            for role in ("leader", "receiver"):
-                lines.append(
-                    f"| {n} | {size(nbytes)} | {role} | {us(p[f'next_p50_{role}'])} ({us(p[f'next_cpu_p50_{role}'])}) "
-                    f"| {us(p[f'next_mean_{role}'])} | {p['exposed'] / STEP:.2%} | "
-                    f"{us(p[f'idle_thread_cpu_{role}'])} |"
-                )
+    lines += harness.table(
+        "version | payload | role | next() p50 (CPU) | next() mean | exposed wait / 20 ms | transfer thread CPU",
+        [
+            (
+                n,
+                harness.size(nbytes),
+                role,
+                f"{us(p[f'next_p50_{role}'])} ({us(p[f'next_cpu_p50_{role}'])})",
+                us(p[f"next_mean_{role}"]),
+                f"{p['exposed'] / STEP:.2%}",
+                us(p[f"idle_thread_cpu_{role}"]),
+            )
+            for n in names
+            for nbytes, p in versions[n]["loops"].items()
+            for role in ROLES
+        ],
+    )
     lines += [
-        "",
         "## 3. A Python-bound training loop (about 20 ms of small torch ops per step)",
         "",
         "Mean step time (slowest rank) fed from memory, from the loader (default prefetch) and from a plain "
@@ -646,33 +618,43 @@ def markdown(results: dict[str, Any]) -> str:
         + "; ".join(f"{n} {versions[n]['work_rounds']}" for n in names)
         + ".",
         "",
-        "| version | payload | from memory | loader | DataLoader, 2 workers | loader slowdown | DataLoader slowdown |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for n in names:
-        for nbytes, p in versions[n]["loops"].items():
-            lines.append(
-                f"| {n} | {size(nbytes)} | {p['memory'] * 1e3:.2f} ms | {p['loader'] * 1e3:.2f} ms | "
-                f"{p['dataloader'] * 1e3:.2f} ms | {p['loader_slowdown']:+.1%} | {p['dataloader_slowdown']:+.1%} |"
+    lines += harness.table(
+        "version | payload | from memory | loader | DataLoader, 2 workers | loader slowdown | DataLoader slowdown",
+        [
+            (
+                n,
+                harness.size(nbytes),
+                *(f"{p[feed] * 1e3:.2f} ms" for feed in ("memory", "loader", "dataloader")),
+                f"{p['loader_slowdown']:+.1%}",
+                f"{p['dataloader_slowdown']:+.1%}",
             )
+            for n in names
+            for nbytes, p in versions[n]["loops"].items()
+        ],
+    )
     lines += [
-        "",
         "## 4. Step time against a raw broadcast",
         "",
         "`prefetch=1`, no compute: the slowest rank's time between two batches, p50 (ms); the raw broadcast of the "
         "same tensor bytes on a thread likewise.",
         "",
-        "| version | payload | loader p=1 | raw broadcast | ratio |",
-        "|---|---|---|---|---|",
     ]
-    for n in names:
-        for nbytes, p in versions[n]["payloads"].items():
-            lines.append(
-                f"| {n} | {size(nbytes)} | {p['loader_step'] * 1e3:.3f} | {p['raw_step'] * 1e3:.3f} | "
-                f"{p['step_ratio']:.2f} |"
+    lines += harness.table(
+        "version | payload | loader p=1 | raw broadcast | ratio",
+        [
+            (
+                n,
+                harness.size(nbytes),
+                f"{p['loader_step'] * 1e3:.3f}",
+                f"{p['raw_step'] * 1e3:.3f}",
+                f"{p['step_ratio']:.2f}",
             )
+            for n in names
+            for nbytes, p in versions[n]["payloads"].items()
+        ],
+    )
     lines += [
-        "",
         "## 5. This machine's floor",
         "",
         "In every world, each rank: *next() floor*, the median wall time of one `put` and one `get` on a "
@@ -680,64 +662,58 @@ def markdown(results: dict[str, Any]) -> str:
         f"the same {COLD_ROUNDS} rounds of `python_work` (small torch ops) back to back and right after a "
         f"{IDLE * 1e6:.0f} µs sleep, the way a transfer thread's Python follows its wait in a collective.",
         "",
-        "| version | role | next() floor | work, back to back | work, after an idle | ratio |",
-        "|---|---|---|---|---|---|",
     ]
-    for n in names:
-        f = versions[n]["floor"]
-        for role in ("leader", "receiver"):
-            lines.append(
-                f"| {n} | {role} | {us(f[f'next_floor_{role}'])} | {us(f[f'work_hot_{role}'])} | "
-                f"{us(f[f'work_after_idle_{role}'])} | {f[f'work_after_idle_{role}'] / f[f'work_hot_{role}']:.2f} |"
+    floors = [(n, role, versions[n]["floor"]) for n in names for role in ROLES]
+    lines += harness.table(
+        "version | role | next() floor | work, back to back | work, after an idle | ratio",
+        [
+            (
+                n,
+                role,
+                *(us(f[f"{what}_{role}"]) for what in ("next_floor", "work_hot", "work_after_idle")),
+                f"{f[f'work_after_idle_{role}'] / f[f'work_hot_{role}']:.2f}",
             )
-    return "\n".join(lines) + "\n"
+            for n, role, f in floors
+        ],
+    )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a small version, about 2 minutes")
+    parser.add_argument("--quick", action="store_true", help="a small version")
     parser.add_argument("--before", metavar="REV", help="also measure the package as of REV, side by side")
     parser.add_argument("--name", help="results file name (default step_cost, step_cost_quick with --quick)")
     args = parser.parse_args(argv)
     name = args.name or ("step_cost_quick" if args.quick else "step_cost")
-    load_before = os.getloadavg()
-    start = time.time()
+    run = harness.Run("step_cost.py", argv)
     with tempfile.TemporaryDirectory() as tmp:
-        s = dataclasses.replace(QUICK if args.quick else FULL, out=os.path.join(tmp, "records.jsonl"))
+        s = dataclasses.replace(QUICK if args.quick else FULL, out=os.path.join(tmp, "records"))
         paths: dict[str, str | None] = {"after": None}
         labels = {"after": "working tree"}
         if args.before:
             os.makedirs(os.path.join(tmp, "before"))
             paths = {"before": export(args.before, os.path.join(tmp, "before")), "after": None}
             labels = {"before": describe(args.before), "after": "working tree"}
-        for r in range(s.rounds):
-            order = list(paths) if r % 2 == 0 else list(reversed(paths))
-            for version in order:
-                with first_on_path(paths[version]):
-                    code = launch.run(
-                        world_main, dataclasses.replace(s, version=version, round=r), 2, timeout=s.world_timeout
-                    )
-                if code:
-                    return code
-        with open(s.out) as f:
-            records = [json.loads(line) for line in f]
+
+        def world(version: str, r: int) -> int:
+            with first_on_path(paths[version]):
+                return launch.run(
+                    world_main, dataclasses.replace(s, version=version, round=r), 2, timeout=s.world_timeout
+                )
+
+        code = harness.worlds_in_rounds(list(paths), s.rounds, world)
+        if code:
+            return code
+        records = harness.kept(s.out)[0]
     results = {
-        "meta": {
-            **run_meta("step_cost.py", start, load_before),
-            "rounds": s.rounds,
-            "labels": labels,
-            "settings": dataclasses.asdict(s) | {"out": None},
-        },
+        "meta": run.meta(rounds=s.rounds, labels=labels, settings=dataclasses.asdict(s) | {"out": None}),
         "versions": {v: summarize(records, v) for v in paths},
         "records": records,
     }
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
-        json.dump(results, f)
-    text = markdown(results)
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write(text)
-    print(text)
+    run.write(
+        name, "Per-step cost of delivery to the training process (gloo, this machine)", results, markdown(results)
+    )
     return 0
 
 

@@ -1,7 +1,9 @@
 """TorchTitan's stock text loader, wrapped (``load_once_per_replica``) against unwrapped: CPU and memory per rank.
 
-    python bench/titan_loading.py           # about 2-3 minutes here: bench/results/titan_loading.{json,md}
-    python bench/titan_loading.py --quick   # about 1 minute: bench/results/titan_loading_quick.* (git-ignored)
+    python bench/titan_loading.py           # bench/results/titan_loading.{json,md}
+    python bench/titan_loading.py --quick   # small, one round: bench/results/titan_loading_quick.* (git-ignored)
+
+(Run times: bench/README.md.)
 
 A 4-rank gloo world on TorchTitan's own data-loading mesh (``ParallelDims`` of pp=2 x dp_shard=2,
 ``get_optional_mesh(["pp", "batch", "cp", "tp"])``), the way TorchTitan's Trainer feeds a pipeline:
@@ -37,18 +39,12 @@ import tempfile
 import time
 from typing import Any
 
+import harness  # bench/harness.py: run as python bench/<name>.py
 import torch.distributed as dist
-from machine import (  # bench/machine.py: run as python bench/<name>.py
-    cpu_seconds,
-    peak_rss_bytes,
-    rss_bytes,
-    run_meta,
-)
 
 from collective_loader import mesh_place
 from collective_loader.testing import launch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PP, DP = 2, 2
 VARIANTS = ("unwrapped", "wrapped")
 
@@ -147,11 +143,10 @@ def rank_main(args: tuple[Settings, str, str]) -> int:
     tokenizer = HuggingFaceTokenizer(tokenizer_path=f"{s.root}/tokenizer")  # the Trainer builds it on every rank
     gc.collect()
     dist.barrier()
-    cpu0, rss0, wall0 = cpu_seconds(), rss_bytes(), time.perf_counter()
+    cpu0, rss0, wall0 = harness.cpu_seconds(), harness.rss_bytes(), time.perf_counter()
     config = HuggingFaceTextDataLoader.Config(dataset="bench_text")
     if variant == "wrapped":
-        config = wrap_dataloader(config)
-        config._mesh = mesh  # what TitanTrainer.init_distributed() does
+        config = wrap_dataloader(config, mesh=mesh)
     loader = config.build(
         dp_world_size=DP, dp_rank=place.dp_rank, tokenizer=tokenizer, seq_len=s.seq_len, local_batch_size=1
     )
@@ -165,21 +160,17 @@ def rank_main(args: tuple[Settings, str, str]) -> int:
         "rank": dist.get_rank(),
         "leader": place.is_leader,
         "stage": place.pp_rank,
-        "cpu": cpu_seconds() - cpu0,
-        "cpu_total": cpu_seconds(),
+        "cpu": harness.cpu_seconds() - cpu0,
+        "cpu_total": harness.cpu_seconds(),
         "rss_start": rss0,
-        "peak_rss": peak_rss_bytes(),
+        "peak_rss": harness.peak_rss_bytes(),
         "wall": wall,
         "tokens": tokens,
         "last": int(input_dict["input"].sum()),
     }
     if variant == "wrapped":
         loader.close()
-    records: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(records, record)
-    if dist.get_rank() == 0:
-        with open(out, "a") as f:
-            f.write(json.dumps({"variant": variant, "ranks": records}) + "\n")
+    harness.keep(out, {"variant": variant, **record})
     return 0
 
 
@@ -187,14 +178,9 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.0f}"
 
 
-def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     s = meta["settings"]
     lines = [
-        "# TorchTitan's text loader: wrapped (load once per replica) vs unwrapped (gloo, this machine)",
-        "",
-        f"{meta['date']}; {meta['machine']}; torch {meta['torch']}; Python {meta['python']}. `{meta['command']}` ran "
-        f"{meta['seconds']:.0f} s; load average {meta['load_before']} before, {meta['load_after']} after.",
-        "",
         f"TorchTitan's mesh pp=2 x dp_shard=2 (4 ranks, 2 replicas). `HuggingFaceTextDataLoader` on {s['documents']} "
         f"documents of {DOC_CHARS} characters (Python's standard library sources), a byte-level BPE of {s['vocab']} "
         f"tokens, seq_len {s['seq_len']}, one sequence per micro-batch, {s['micro_batches']} micro-batches per rank, "
@@ -236,25 +222,22 @@ def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         "",
         "Per rank (first round): CPU s added / peak RSS added (MiB) / peak RSS (MiB); L = the replica's leader",
         "",
-        "| variant | " + " | ".join(f"rank {r}" for r in range(PP * DP)) + " |",
-        "|---" * (PP * DP + 1) + "|",
     ]
+    cells = {}
     for variant in VARIANTS:
         ranks = next(r["ranks"] for r in runs if r["variant"] == variant)
-        cells = [
+        cells[variant] = [
             f"{r['cpu']:.1f} / {mib(r['peak_rss'] - r['rss_start'])} / {mib(r['peak_rss'])}"
             f"{' L' if variant == 'wrapped' and r['leader'] else ''}"
             for r in ranks
         ]
-        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += harness.rank_table("variant", cells)
     same = all(len({r["last"] for r in run["ranks"] if r["rank"] % DP == d}) == 1 for run in runs for d in range(DP))
     lines += [
-        "",
         f"Every rank of a replica ended on the same micro-batch in every run: {'yes' if same else 'NO'}; "
         f"tokens per rank: {runs[0]['ranks'][0]['tokens']}.",
-        "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,34 +246,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="rounds of both variants (default: 2, --quick 1)")
     args = parser.parse_args(argv)
     name = "titan_loading_quick" if args.quick else "titan_loading"
-    load_before, start = os.getloadavg(), time.time()
+    run = harness.Run("titan_loading.py", argv)
     tmp = tempfile.mkdtemp(prefix="cl_titan_loading_")
     try:
         s = dataclasses.replace(QUICK if args.quick else FULL, root=tmp)
         if args.rounds:
             s = dataclasses.replace(s, rounds=args.rounds)
         prepare(s)
-        out = os.path.join(tmp, "runs.jsonl")
-        for _ in range(s.rounds):
-            for variant in VARIANTS:
-                code = launch.run(rank_main, (s, variant, out), PP * DP, timeout=1800)
-                if code:
-                    return code
-        with open(out) as f:
-            runs = [json.loads(line) for line in f]
+        out = os.path.join(tmp, "records")
+        code = harness.worlds_in_rounds(
+            VARIANTS, s.rounds, lambda v, r: launch.run(rank_main, (s, v, out), PP * DP, timeout=1800)
+        )
+        if code:
+            return code
+        runs = [{"variant": ranks[0]["variant"], "ranks": ranks} for ranks in harness.runs_of(out)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    meta = {
-        **run_meta("titan_loading.py", start, load_before),
-        "settings": dataclasses.asdict(s) | {"root": None},
-    }
-    text = markdown(meta, runs)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
-        json.dump({"meta": meta, "runs": runs}, f)
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write(text)
-    print(text)
+    meta = run.meta(settings=dataclasses.asdict(s) | {"root": None})
+    title = "TorchTitan's text loader: wrapped (load once per replica) vs unwrapped (gloo, this machine)"
+    run.write(name, title, {"meta": meta, "runs": runs}, markdown(meta, runs))
     return 0
 
 
