@@ -11,7 +11,9 @@ are built on one leader per replica and deliver every batch to the replica's oth
 
 For your own config function: ``return load_once_per_replica(my_config())``. To read an MDS
 dataset instead (:class:`TitanStreamingDataLoader`: token ids, or text the leaders tokenize with
-the Trainer's tokenizer and pack): ``return with_collective_loader(my_config(), dataset_path="/data/mds")``.
+the Trainer's tokenizer and pack): ``return load_mds_once_per_replica(my_config(), dataset_path="/data/mds")``.
+Outside the Trainer, one dataloader config: ``wrap_dataloader(config, mesh=mesh)``
+(:mod:`.titan_wrap`).
 
 TorchTitan builds its dataloader with ``config.dataloader.build(dp_world_size=, dp_rank=,
 tokenizer=, seq_len=, local_batch_size=, snapshot_every_n_steps=)``, without the mesh, which the
@@ -31,6 +33,7 @@ import functools
 import importlib
 import itertools
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -42,7 +45,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
 from collective_loader.integrations.titan import TitanDataLoader
-from collective_loader.integrations.titan_wrap import wrap_dataloader
+from collective_loader.integrations.titan_wrap import with_mesh, wrap_dataloader
 from collective_loader.streaming import StreamingSource, lm_collate
 from collective_loader.streaming.source import LeaderStream
 from collective_loader.text import Packing, TextColumn, TokenColumn
@@ -54,6 +57,7 @@ __all__ = [
     "TitanStreamingDataLoader",
     "TitanTrainer",
     "collective_trainer_config",
+    "load_mds_once_per_replica",
     "load_once_per_replica",
     "titan_collate",
     "with_collective_loader",
@@ -238,7 +242,7 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
             raise ValueError(
                 "TitanStreamingDataLoader needs TorchTitan's mesh, which the Trainer does not pass to "
                 "dataloaders: build the trainer from collective_loader.integrations.titan_configs.TitanTrainer.Config "
-                "(with_collective_loader(config) does)"
+                "(load_mds_once_per_replica(config) does), or give it the mesh: with_mesh(config, mesh)"
             )
         if not config.dataset_path:
             raise ValueError("set --dataloader.dataset_path to the local directory of an MDS dataset")
@@ -336,7 +340,7 @@ class CollectiveMesh:
         validation = getattr(self.config.validator, "dataloader", None)
         for dataloader in (self.config.dataloader, validation):
             if hasattr(dataloader, "_mesh"):  # TitanStreamingDataLoader's, wrap_dataloader's
-                dataloader._mesh = mesh  # type: ignore[union-attr]
+                with_mesh(dataloader, mesh)
         return parallel_dims
 
 
@@ -410,18 +414,30 @@ def load_once_per_replica(config: Trainer.Config) -> Trainer.Config:
     return config
 
 
-def with_collective_loader(config: Trainer.Config, **dataloader: Any) -> Trainer.Config:
-    """``config`` with its trainer extended (:func:`collective_trainer_config`) and a
-    ``TitanStreamingDataLoader.Config(**dataloader)``: an MDS dataset of token ids.
+def load_mds_once_per_replica(config: Trainer.Config, **dataloader: Any) -> Trainer.Config:
+    """``config`` with its trainer extended (:func:`collective_trainer_config`) and its dataloader
+    replaced by ``TitanStreamingDataLoader.Config(**dataloader)``: an MDS dataset read on one leader
+    per replica. (:func:`load_once_per_replica` instead keeps the config's own dataloader.)
 
     >>> from torchtitan.models.llama3.config_registry import llama3_debugmodel
-    >>> c = with_collective_loader(llama3_debugmodel(), dataset_path="/data/mds")
+    >>> c = load_mds_once_per_replica(llama3_debugmodel(), dataset_path="/data/mds")
     >>> type(c).__qualname__, c.dataloader.dataset_path, c.training.seq_len
     ('TitanTrainer.Config', '/data/mds', 2048)
     """
     config = collective_trainer_config(config)
     config.dataloader = TitanStreamingDataLoader.Config(**dataloader)
     return config
+
+
+def with_collective_loader(config: Trainer.Config, **dataloader: Any) -> Trainer.Config:
+    """Deprecated: the earlier name of :func:`load_mds_once_per_replica`, which it calls."""
+    warnings.warn(
+        "with_collective_loader is deprecated: call load_mds_once_per_replica(config, dataset_path=...), "
+        "which does the same",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return load_mds_once_per_replica(config, **dataloader)
 
 
 @functools.cache

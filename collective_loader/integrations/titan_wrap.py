@@ -4,7 +4,10 @@ TorchTitan builds every dataloader the same way, ``config.build(dp_world_size=, 
 tokenizer=, seq_len=, local_batch_size=, ...)``, on every rank: every pipeline stage, tp rank and
 cp rank of a replica opens the same data and tokenizes the same documents. :func:`wrap_dataloader`
 turns such a config (``HuggingFaceTextDataLoader.Config``, ``ChatDataLoader.Config``, a
-``BaseDataLoader.Config`` of your own, ...) into one that builds a :class:`ReplicaDataLoader`:
+``BaseDataLoader.Config`` of your own, ...) into one that builds a :class:`ReplicaDataLoader`. It is
+the dataloader step of :func:`~collective_loader.integrations.titan_configs.load_once_per_replica`,
+which also extends the trainer to hand the wrapped configs their mesh; outside TorchTitan's
+Trainer, give the mesh yourself: ``wrap_dataloader(config, mesh=mesh)``.
 
 - on each replica's leader it builds the wrapped loader from the user's config, with exactly the
   arguments TorchTitan passed (the leader's ``dp_rank`` and ``dp_world_size``), so the replica
@@ -21,7 +24,8 @@ turns such a config (``HuggingFaceTextDataLoader.Config``, ``ChatDataLoader.Conf
 The wrapped config is a subclass of the user's config class with the same fields (so
 ``--dataloader.<field>`` flags and TorchTitan's ``replace(config, infinite=...)`` keep working)
 plus two fields the command line does not see: the data-loading mesh, which the trainer hands over
-(:class:`~collective_loader.integrations.titan_configs.TitanTrainer`), and the loader it built.
+(:class:`~collective_loader.integrations.titan_configs.TitanTrainer`) or ``wrap_dataloader(config,
+mesh=)`` sets (:func:`with_mesh`), and the loader it built.
 TorchTitan's validator calls ``build()`` at every validation; the wrapped config builds its
 :class:`ReplicaDataLoader` once and afterwards has it build a fresh wrapped loader at the next
 ``iter()``, so each validation starts from the beginning of its data over the same process groups.
@@ -46,7 +50,7 @@ from collective_loader.integrations.titan import TitanDataLoader
 from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.mesh import mesh_place
 
-__all__ = ["ReplicaDataLoader", "unwrap_dataloader", "wrap_dataloader"]
+__all__ = ["ReplicaDataLoader", "unwrap_dataloader", "with_mesh", "wrap_dataloader"]
 
 # what a delivered batch holds: TorchTitan's pair, as one mapping every stage receives whole
 INPUT_DICT, LABELS = "input_dict", "labels"
@@ -97,10 +101,11 @@ class ReplicaDataLoader(BaseDataLoader):
     every key, dtype and shape kept (e.g. TorchTitan's text loaders: ``input`` and ``positions``
     of shape ``[local_batch_size, seq_len]``, labels the same shape).
 
-    Example (what TorchTitan's Trainer does, with ``config.dataloader`` wrapped and its mesh set)::
+    Example (what TorchTitan's Trainer does with ``config.dataloader``; outside it, wrap with the mesh)::
 
-        dataloader = config.dataloader.build(dp_world_size=2, dp_rank=0, tokenizer=tokenizer,
-                                             seq_len=2048, local_batch_size=8)
+        config = wrap_dataloader(HuggingFaceTextDataLoader.Config(dataset="c4"), mesh=mesh)
+        dataloader = config.build(dp_world_size=2, dp_rank=0, tokenizer=tokenizer,
+                                  seq_len=2048, local_batch_size=8)
         for input_dict, labels in dataloader:   # every rank of the replica, every stage
             ...
     """
@@ -111,7 +116,8 @@ class ReplicaDataLoader(BaseDataLoader):
             raise ValueError(
                 f"{type(config).__qualname__} needs TorchTitan's data-loading mesh, which the Trainer does not pass "
                 "to dataloaders: build the trainer from collective_loader.integrations.titan_configs "
-                "(load_once_per_replica(config) does)"
+                "(load_once_per_replica(config) does), or, outside the Trainer, wrap with wrap_dataloader(config, "
+                "mesh=mesh)"
             )
         place = mesh_place(mesh, dist.get_rank())
         if (place.dp_rank, place.dp_size) != (dp_rank, dp_world_size):
@@ -200,10 +206,14 @@ def _wrapped_class(config_class: type) -> type:
 _WRAPPED_CLASSES: dict[type, type] = {}
 
 
-def wrap_dataloader(config: BaseDataLoader.Config) -> BaseDataLoader.Config:
+def wrap_dataloader(config: BaseDataLoader.Config, *, mesh: DeviceMesh | None = None) -> BaseDataLoader.Config:
     """``config`` as a config whose ``build()`` makes a :class:`ReplicaDataLoader`: the same
     class (a subclass of it) and field values. A config already wrapped, or one of a loader that
     delivers collectively itself, is returned as it is.
+
+    ``mesh``: TorchTitan's data-loading mesh (``ParallelDims.get_optional_mesh(["pp", "batch", "cp",
+    "tp"], include_singleton_axes=True)``), for a loader built outside TorchTitan's Trainer; under
+    the Trainer leave it out (``TitanTrainer.init_distributed()`` hands it over).
 
     >>> from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     >>> wrapped = wrap_dataloader(HuggingFaceTextDataLoader.Config(dataset="c4_test"))
@@ -213,9 +223,26 @@ def wrap_dataloader(config: BaseDataLoader.Config) -> BaseDataLoader.Config:
     True
     """
     owner = type(config)._owner
-    if hasattr(type(config), "_wrapped") or (owner is not None and issubclass(owner, TitanDataLoader)):
-        return config
-    return _wrapped_class(type(config))(**_init_fields(config))
+    if not hasattr(type(config), "_wrapped") and not (owner is not None and issubclass(owner, TitanDataLoader)):
+        config = _wrapped_class(type(config))(**_init_fields(config))
+    return config if mesh is None else with_mesh(config, mesh)
+
+
+def with_mesh(config: BaseDataLoader.Config, mesh: DeviceMesh) -> BaseDataLoader.Config:
+    """Hand ``mesh``, TorchTitan's data-loading mesh, to a dataloader config that needs it (one
+    from :func:`wrap_dataloader`, a ``TitanStreamingDataLoader.Config``); returns ``config``,
+    changed in place. ``TitanTrainer.init_distributed()`` does this under TorchTitan's Trainer.
+
+    >>> from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+    >>> with_mesh(HuggingFaceTextDataLoader.Config(), mesh=None)
+    Traceback (most recent call last):
+    ...
+    TypeError: HuggingFaceTextDataLoader.Config takes no mesh: wrap it first, wrap_dataloader(config, mesh=mesh)
+    """
+    if not hasattr(config, "_mesh"):
+        raise TypeError(f"{type(config).__qualname__} takes no mesh: wrap it first, wrap_dataloader(config, mesh=mesh)")
+    config._mesh = mesh  # type: ignore[attr-defined]  # a field of the wrapped class, not of BaseDataLoader.Config
+    return config
 
 
 def unwrap_dataloader(config: BaseDataLoader.Config) -> BaseDataLoader.Config:

@@ -1,5 +1,5 @@
 """TorchTitan 0.3's own Trainer, unmodified, training on our loader: ``torchrun -m torchtitan.train``
-with ``--module collective_loader.integrations.titan_configs`` (through ``tests/support/titan_cpu.py``, which only makes
+with ``--module collective_loader.integrations.titan_configs`` (through ``collective_loader.integrations.titan_cpu``, which only makes
 a CPU do, and ``tests/support/titan_trainer_configs.py``, which records what each rank got).
 
 Every run starts from one seed checkpoint (TorchTitan's own ``--checkpoint.create_seed_checkpoint``)
@@ -23,13 +23,16 @@ import numpy as np
 import pytest
 import titan_run
 import torch
+from torchtitan.trainer import Trainer
 
 from collective_loader.integrations import titan_configs
 from collective_loader.integrations.titan_configs import (
     TitanStreamingDataLoader,
+    load_mds_once_per_replica,
     titan_collate,
     with_collective_loader,
 )
+from collective_loader.integrations.titan_wrap import with_mesh
 
 SEQ, BATCH, DP = 64, 4, 2  # tokens per sample, TorchTitan's local batch, data-parallel replicas
 STEPS, EPOCH_STEPS = 8, 6  # the dataset holds 6 global batches: 8 steps cross into a second epoch
@@ -41,11 +44,13 @@ def test_the_dataloader_config_names_what_to_change():
     with pytest.raises(ValueError, match="TitanTrainer.Config"):  # the stock Trainer passes no mesh
         TitanStreamingDataLoader.Config(dataset_path="/data/mds").build(**build)
     with pytest.raises(ValueError, match="--dataloader.dataset_path"):
-        TitanStreamingDataLoader.Config(_mesh="a mesh").build(**build)
+        with_mesh(TitanStreamingDataLoader.Config(), "a mesh").build(**build)
     with pytest.raises(ValueError, match="holds 5 tokens per sample and training.seq_len is 8.*--training.seq_len 4"):
         titan_collate([{"tokens": np.arange(5)}], seq_len=8)
     with pytest.raises(TypeError, match="TitanStreamingDataLoader.Config is not the config of a TorchTitan Trainer"):
-        with_collective_loader(TitanStreamingDataLoader.Config())
+        load_mds_once_per_replica(TitanStreamingDataLoader.Config())
+    with pytest.warns(DeprecationWarning, match="load_mds_once_per_replica"):  # the earlier name still works
+        assert with_collective_loader(Trainer.Config(), dataset_path="/data/mds").dataloader.dataset_path == "/data/mds"
     with pytest.raises(AttributeError):
         titan_configs.llama3_no_such_config  # noqa: B018  --config names must be TorchTitan's config functions
     assert "llama3_8b" in dir(titan_configs)  # what TorchTitan lists when --config names none of them
@@ -92,7 +97,7 @@ class Data:
 
 
 def torchrun(ranks: int, config: str, flags: list[str], out: str, timeout: float) -> float:
-    """``torchrun tests/titan_cpu.py --module titan_trainer_configs --config <config> <flags>``; its log is ``<out>.log``."""
+    """``torchrun -m collective_loader.integrations.titan_cpu --module titan_trainer_configs --config <config> <flags>``; its log is ``<out>.log``."""
     return titan_run.torchrun(ranks, "titan_trainer_configs", config, flags, out, timeout)
 
 

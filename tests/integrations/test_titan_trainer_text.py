@@ -33,6 +33,7 @@ from collective_loader.integrations.titan_configs import (
     read_as,
     titan_inputs,
 )
+from collective_loader.integrations.titan_wrap import with_mesh
 from collective_loader.text import Packing, TextColumn, TokenColumn
 
 SEQ, BATCH, DP, STEPS = 64, 4, 2, 8
@@ -65,7 +66,7 @@ def test_each_layout_is_read_as_the_flags_say():
     ],
 )
 def test_flags_that_do_not_fit_together_name_the_flag_to_change(fields, tokenizer, message):
-    config = TitanStreamingDataLoader.Config(dataset_path="/data/mds", _mesh="a mesh", **fields)
+    config = with_mesh(TitanStreamingDataLoader.Config(dataset_path="/data/mds", **fields), "a mesh")
     with pytest.raises(ValueError, match=message):  # raised in __init__, which every rank runs, before any collective
         config.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=8, local_batch_size=1)
 
@@ -136,7 +137,7 @@ def titan_text_loader(mesh, root: str, **fields) -> TitanStreamingDataLoader:
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     config = TitanStreamingDataLoader.Config(dataset_path=f"{root}/text", text=True, timeout=60, **fields)
-    config._mesh = mesh
+    with_mesh(config, mesh)
     tokenizer = HuggingFaceTokenizer(tokenizer_path=f"{root}/tokenizer")
     return config.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=16, local_batch_size=2)
 

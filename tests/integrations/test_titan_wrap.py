@@ -32,7 +32,7 @@ from torchtitan.hf_datasets.text_datasets import (
 
 from collective_loader import LeaderError, mesh_place
 from collective_loader.integrations.titan_configs import TitanStreamingDataLoader
-from collective_loader.integrations.titan_wrap import ReplicaDataLoader, unwrap_dataloader, wrap_dataloader
+from collective_loader.integrations.titan_wrap import ReplicaDataLoader, unwrap_dataloader, with_mesh, wrap_dataloader
 
 PP, DP, CP = 2, 2, 2
 RANKS = PP * DP * CP
@@ -143,9 +143,8 @@ def titan_mesh():
 
 def wrapped(name: str, d: Data) -> ReplicaDataLoader:
     """On every rank: the wrapped config ``name`` built as TorchTitan's Trainer builds it."""
-    config = wrap_dataloader(loader_config(name, d))
-    config._mesh = titan_mesh()
-    return config.build(**build_args(d, mesh_place(config._mesh, dist.get_rank()).dp_rank))
+    config = wrap_dataloader(loader_config(name, d), mesh=titan_mesh())
+    return config.build(**build_args(d, mesh_place(titan_mesh(), dist.get_rank()).dp_rank))
 
 
 def take(pairs, steps: int) -> list:
@@ -266,9 +265,8 @@ def test_checkpoints_resume_exactly_and_load_into_unwrapped_loaders_and_back(dat
 def rank_rebuilds(d: Data, log: str) -> dict:
     """TorchTitan's validator: build() at every validation, a few steps each, never closed."""
     setup_process(d, log)
-    config = wrap_dataloader(loader_config("text", d))
-    config._mesh = titan_mesh()
-    args = build_args(d, mesh_place(config._mesh, dist.get_rank()).dp_rank)
+    config = wrap_dataloader(loader_config("text", d), mesh=titan_mesh())
+    args = build_args(d, mesh_place(titan_mesh(), dist.get_rank()).dp_rank)
     passes, loaders = [], []
     for steps in (3, 1, 4):
         loaders.append(config.build(**args))
@@ -290,9 +288,8 @@ def test_each_build_starts_afresh_over_the_same_process_groups(data, worlds, tmp
 def rank_finite(d: Data, log: str) -> dict:
     """A finite loader (TorchTitan's validator with ``--validator.steps -1``) iterated to its end."""
     setup_process(d, log)
-    config = wrap_dataloader(replace(loader_config("text", d), infinite=False))
-    config._mesh = titan_mesh()
-    loader = config.build(**build_args(d, mesh_place(config._mesh, dist.get_rank()).dp_rank))
+    config = wrap_dataloader(replace(loader_config("text", d), infinite=False), mesh=titan_mesh())
+    loader = config.build(**build_args(d, mesh_place(titan_mesh(), dist.get_rank()).dp_rank))
     try:
         return {"dp_rank": loader.dp_rank, "steps": sum(1 for _ in loader)}
     finally:
@@ -312,11 +309,10 @@ def test_a_finite_loader_ends_on_every_rank_where_the_shortest_replica_ends(data
 
 def rank_fails(d: Data, log: str, where: str) -> str:
     setup_process(d, log)
-    config = wrap_dataloader(loader_config("text", d))
+    config = wrap_dataloader(loader_config("text", d), mesh=titan_mesh())
     if where == "build":
         config.dataset = "no_such_dataset"  # fails on the leaders only: they alone build the loader
-    config._mesh = titan_mesh()
-    args = build_args(d, mesh_place(config._mesh, dist.get_rank()).dp_rank)
+    args = build_args(d, mesh_place(titan_mesh(), dist.get_rank()).dp_rank)
     try:
         loader = config.build(**args)
     except LeaderError as e:
@@ -355,5 +351,11 @@ def test_a_wrapped_config_keeps_the_users_class_and_fields_and_needs_the_mesh():
     assert wrapped_config.to_dict() == config.to_dict()
     with pytest.raises(ValueError, match="load_once_per_replica"):
         wrapped_config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=8, local_batch_size=1)
+    with pytest.raises(ValueError, match=r"wrap_dataloader\(config, mesh=mesh\)"):  # outside the Trainer
+        wrapped_config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=8, local_batch_size=1)
+    with pytest.raises(TypeError, match=r"takes no mesh: wrap it first, wrap_dataloader\(config, mesh=mesh\)"):
+        with_mesh(config, "a mesh")
+    given = wrap_dataloader(config, mesh="a mesh")  # what TitanTrainer.init_distributed() hands over, given here
+    assert unwrap_dataloader(given) == config and wrap_dataloader(given, mesh="another") is given
     mds = TitanStreamingDataLoader.Config(dataset_path="/data/mds")  # delivers collectively itself
     assert wrap_dataloader(mds) is mds

@@ -1,5 +1,5 @@
 """Test-only: one run of TorchTitan's own ``torchtitan.train`` under torchrun on this CPU machine
-(through ``titan_cpu.py``), killed with every rank it started when it runs past its time."""
+(through the shipped CPU launcher, ``collective_loader.integrations.titan_cpu``), killed with every rank it started when it runs past its time."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 
 SUPPORT = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(SUPPORT))
-LAUNCHER = os.path.join(SUPPORT, "titan_cpu.py")
+LAUNCHER = ("-m", "collective_loader.integrations.titan_cpu")  # TorchTitan on the CPU, as docs/torchtitan.md shows
 # training lines only: TorchTitan logs validation as "validate step: N  loss: X"
 LOSS = re.compile(r"^\[default(\d+)\]:.*(?<!validate) step:\s*(\d+)\s+loss:\s*(-?[\d.]+)", re.M)
 VALIDATION_LOSS = re.compile(r"^\[default(\d+)\]:.*validate step:\s*(\d+)\s+loss:\s*(-?[\d.]+)", re.M)
@@ -21,20 +21,28 @@ PREFIX_RACE = re.compile(r"File exists: '/\d{6}_locals'|shared memory prefix=\d+
 
 
 def torchrun(
-    ranks: int, module: str, config: str, flags: list[str], out: str, timeout: float, env: dict[str, str] | None = None
+    ranks: int,
+    module: str,
+    config: str,
+    flags: list[str],
+    out: str,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
 ) -> float:
-    """``torchrun titan_cpu.py --module <module> --config <config> <flags>``; its log is ``<out>.log``.
+    """``torchrun -m collective_loader.integrations.titan_cpu --module <module> --config <config> <flags>``
+    in ``cwd`` (this process's when None); its log is ``<out>.log``.
 
     Run again (twice at most) when streaming lost the race for its shared-memory prefix: each rank
     looks for the first free one, then the local leader creates it after a barrier, so a streaming
     job that another process (another test suite on this machine) starts meanwhile can take it or
     make the ranks disagree.
     """
-    seconds, code, text = _torchrun(ranks, module, config, flags, out, timeout, env)
+    seconds, code, text = _torchrun(ranks, module, config, flags, out, timeout, env, cwd)
     for _ in range(2):
         if code == 0 or not PREFIX_RACE.search(text):
             break
-        seconds, code, text = _torchrun(ranks, module, config, flags, out, timeout, env)
+        seconds, code, text = _torchrun(ranks, module, config, flags, out, timeout, env, cwd)
     assert code == 0, f"exit {code} (-9: killed after {timeout}s):\n{text[-6000:]}"
     return seconds
 
@@ -49,7 +57,14 @@ def seed_checkpoint(module: str, config: str, flags: list[str], out: str, env: d
 
 
 def _torchrun(
-    ranks: int, module: str, config: str, flags: list[str], out: str, timeout: float, env: dict[str, str] | None
+    ranks: int,
+    module: str,
+    config: str,
+    flags: list[str],
+    out: str,
+    timeout: float,
+    env: dict[str, str] | None,
+    cwd: str | None,
 ) -> tuple[float, int, str]:
     for stale in glob.glob(f"{glob.escape(out)}.*"):
         if not stale.endswith(".log"):
@@ -61,7 +76,7 @@ def _torchrun(
         "--standalone",
         f"--nproc-per-node={ranks}",
         "--tee=3",
-        LAUNCHER,
+        *LAUNCHER,
         "--module",
         module,
         "--config",
@@ -71,7 +86,7 @@ def _torchrun(
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, SUPPORT]), **(env or {})}
     start = time.perf_counter()
     with open(f"{out}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env, cwd=cwd, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

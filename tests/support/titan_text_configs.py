@@ -1,9 +1,9 @@
 """Test configs for TorchTitan's own Trainer on TorchTitan's own dataloaders (``--module titan_text_configs``,
-run by ``tests/support/titan_cpu.py``), each unwrapped (``text``, ...) and wrapped by
+run by ``collective_loader.integrations.titan_cpu``), each unwrapped (``text``, ...) and wrapped by
 ``load_once_per_replica`` (``text_wrapped``, ...); and ``mds``: ``TitanStreamingDataLoader`` on an
 MDS dataset (``--dataloader.*``), tokenizing with the Trainer's tokenizer, without validation.
 
-All are TorchTitan's stock ``llama3_debugmodel`` with the CPU adjustments (``titan_cpu.cpu_config``),
+All are TorchTitan's stock ``llama3_debugmodel`` (the launcher makes its CPU changes),
 the tokenizer in ``--hf_assets_path`` (``titan_text.CountingTokenizer``, a BPE trained by the test)
 and validation every ``VALIDATION_FREQ`` steps on ``cl_val``. The data come from ``$CL_DATA``
 (written by the test: ``text/``, ``text_b/``, ``val/``, ``chat.jsonl``, ``numbered.jsonl``). The
@@ -22,7 +22,6 @@ from typing import Any
 
 import titan_text
 import torch
-from titan_cpu import cpu_config
 from torchtitan.components.validate import Validator
 from torchtitan.hf_datasets.text_datasets import (
     ChatDataLoader,
@@ -33,7 +32,7 @@ from torchtitan.hf_datasets.text_datasets import (
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.trainer import Trainer
 
-from collective_loader.integrations.titan_configs import load_once_per_replica, with_collective_loader
+from collective_loader.integrations.titan_configs import load_mds_once_per_replica, load_once_per_replica
 
 VALIDATION_FREQ, VALIDATION_STEPS = 4, 2
 
@@ -60,7 +59,6 @@ class Recording(Trainer):
 
 
 def _recording(config: Trainer.Config) -> Recording.Config:
-    config = cpu_config(config)
     config.tokenizer = titan_text.CountingTokenizer.Config()
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     return Recording.Config(**fields)
@@ -81,7 +79,7 @@ def _config(dataloader: Any) -> Recording.Config:
 
 def mds() -> Trainer.Config:
     """``TitanStreamingDataLoader`` (every field from ``--dataloader.*``), no validation."""
-    return with_collective_loader(_recording(llama3_debugmodel()))
+    return load_mds_once_per_replica(_recording(llama3_debugmodel()))
 
 
 def text() -> Recording.Config:

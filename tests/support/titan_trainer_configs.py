@@ -1,6 +1,7 @@
-"""Test configs for TorchTitan's own Trainer (``--module titan_trainer_configs``, run by ``tests/support/titan_cpu.py``).
+"""Test configs for TorchTitan's own Trainer (``--module titan_trainer_configs``, run by
+``collective_loader.integrations.titan_cpu``, TorchTitan on the CPU).
 
-``ours``: ``collective_loader.integrations.titan_configs.llama3_debugmodel`` with the CPU adjustments. ``naive``:
+``ours``: ``collective_loader.integrations.titan_configs.llama3_debugmodel`` on token ids (:class:`NoTokenizer`). ``naive``:
 the same, fed the seed issue's way (every rank its own ``StreamingDataset`` with
 ``replication``). Both record, per rank, the samples behind every micro-batch and which
 processes opened the dataset, in files next to ``--dataloader.record``.
@@ -22,9 +23,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from titan_cpu import cpu_config
 from torch.utils.data import DataLoader
 from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.tokenizer import BaseTokenizer
 
 from collective_loader.integrations.titan import split_labels
 from collective_loader.integrations.titan_configs import (
@@ -125,13 +126,39 @@ class Naive(BaseDataLoader):
         pass
 
 
+class NoTokenizer(BaseTokenizer):
+    """The Trainer always builds a tokenizer; these data are token ids already (and the wheel
+    ships no tokenizer files for ``--hf_assets_path``'s default)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        pass
+
+    def __init__(self, config: Config, *, tokenizer_path: str | None = None) -> None:
+        super().__init__()
+
+    def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+        raise NotImplementedError("the data are token ids already")
+
+    def decode(self, *args: Any, **kwargs: Any) -> str:
+        raise NotImplementedError("the data are token ids already")
+
+    def get_vocab_size(self) -> int:
+        raise NotImplementedError("the model config holds the vocabulary size")
+
+
+def _on_token_ids(config: Any) -> Any:
+    config.tokenizer = NoTokenizer.Config()
+    return config
+
+
 def ours() -> Any:
-    config = cpu_config(llama3_debugmodel())
+    config = _on_token_ids(llama3_debugmodel())
     config.dataloader = Recorded.Config()
     return config
 
 
 def naive() -> Any:
-    config = cpu_config(llama3_debugmodel())
+    config = _on_token_ids(llama3_debugmodel())
     config.dataloader = Naive.Config()
     return config
