@@ -11,12 +11,13 @@ The package in layers (each imports only from the layers below it; ``tests/unit/
 * sources: :mod:`~collective_loader.streaming` (mosaicml-streaming on the leaders only) and
   :mod:`~collective_loader.text` (language-model batches);
 * :mod:`~collective_loader.integrations`: TorchTitan, Megatron-style ``get_batch``;
-* :mod:`~collective_loader.testing` and :mod:`~collective_loader.demo`: invariant checks, local
+* :mod:`~collective_loader.testing` and :mod:`~collective_loader.cli`: invariant checks, local
   worlds, a local S3 endpoint, the main job.
 """
 
 import logging
 
+from collective_loader.delivery.config import LoaderConfig
 from collective_loader.errors import (
     BatchError,
     CollectiveLoaderError,
@@ -42,6 +43,7 @@ __all__ = [
     "ConstructionError",
     "DeliveryError",
     "LeaderError",
+    "LoaderConfig",
     "MeshLayout",
     "PerDocument",
     "Place",

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from collective_loader.delivery.config import usable_timeout
 from collective_loader.delivery.transport import Groups, new_group
 from collective_loader.plan.wire import Kind
 
@@ -26,9 +27,11 @@ def control_group(timeout: Any) -> dist.ProcessGroup:
     """The gloo group of the whole world that construction agrees over; built before any
     argument is checked, so with ``timeout`` only when it is a usable number (else torch's
     default: the arguments check then refuses it on every rank)."""
-    usable = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
     group = new_group(
-        range(dist.get_world_size()), "gloo", float(timeout) if usable else None, "collective_loader:control"
+        range(dist.get_world_size()),
+        "gloo",
+        float(timeout) if usable_timeout(timeout) else None,
+        "collective_loader:control",
     )
     assert group is not None
     return group

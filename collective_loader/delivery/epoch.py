@@ -61,7 +61,7 @@ class Epoch(Iterator[Batch]):
         if place.is_leader:
             leader: protocol.LeaderStep  # the watchdog reports through it (after seconds, not now)
             watch = StallWatch(
-                protocol.STALL_AFTER * settings.timeout,
+                protocol.STALL_AFTER * settings.config.timeout,
                 lambda step: self._prefetch.interrupt(leader.stalled(step)),
                 f"{name}-watch",
             )
@@ -78,7 +78,7 @@ class Epoch(Iterator[Batch]):
             name=name,
         )
         # the host transport takes each item as the transfer thread made it
-        self._take = self._prefetch.take if settings.transport == "host" else self._next_item
+        self._take = self._prefetch.take if settings.config.transport == "host" else self._next_item
 
     # --- training-loop side ----------------------------------------------------------------
 
@@ -149,7 +149,7 @@ class Epoch(Iterator[Batch]):
             with contextlib.suppress(RuntimeError):
                 protocol.complete(self.settings, self._posted)
             self._posted = None
-        self._prefetch.close(JOIN_WAIT if self._finished else self.settings.timeout + JOIN_WAIT)
+        self._prefetch.close(JOIN_WAIT if self._finished else self.settings.config.timeout + JOIN_WAIT)
         self._finished = True
         self._close_watch()
         # a thread still inside the source after the wait keeps it

@@ -75,7 +75,7 @@ class _Packed:
     message: Any  # the message, or the i-th member's message per member (scatter)
     header: Header  # of the leader's own message (on a scattered channel, every message's size)
     batch: Batch  # the leader's own host batch: views of its own message (tensors sent apart: as given)
-    layout: wire.Layout  # the description of the leader's own message
+    layout: wire.PayloadLayout  # the description of the leader's own message
     apart: list[torch.Tensor] = field(default_factory=list)  # broadcast after the message, in order
 
 
@@ -112,7 +112,7 @@ class LeaderStep(_Step):
     ) -> None:
         super().__init__(settings, stream)
         self._load, self._source_state, self.watch = load, source_state, watch
-        self._device_transport = settings.transport == "device"
+        self._device_transport = settings.config.transport == "device"
         self._data_channels = [(name, ch) for name, ch in settings.groups.channels.items() if ch.carries_data]
         # one per message stream (a channel, and a shard on a scattered one): reuses repeating descriptions
         self._encoders: dict[tuple[str, tuple], wire.Encoder] = {}
@@ -142,7 +142,7 @@ class LeaderStep(_Step):
         """Watchdog thread: the source is still loading ``step``; say so on every rank."""
         message = (
             f"still loading step {step} after {self.watch.after:.0f}s: the source has not returned a batch "
-            f"(timeout={self.settings.timeout}s; a leader reports a stall after {STALL_AFTER:.0%} of it)"
+            f"(timeout={self.settings.config.timeout}s; a leader reports a stall after {STALL_AFTER:.0%} of it)"
         )
         what = f"gave up reporting a stalled source at step {step}"
         try:
@@ -190,7 +190,7 @@ class LeaderStep(_Step):
                     if channel.carries_data:
                         channel.send(packed[name].message, packed[name].header, packed[name].apart)
                     else:
-                        channel.send_plan(Kind.DATA, step)
+                        channel.send_encoded(Kind.DATA, step)
                 except RuntimeError as e:
                     text = self._failure(
                         f"could not deliver step {step} to the {name} stage (ranks {list(channel.ranks)})", e
@@ -202,7 +202,7 @@ class LeaderStep(_Step):
             return self._data_item(step, packed, state)
         if kind == Kind.END:
             for channel in groups.channels.values():
-                channel.send_plan(Kind.END, step)
+                channel.send_encoded(Kind.END, step)
             return Item(Kind.END, step)
         dp = settings.mesh_layout.leaders().index(origin)
         # a delivery failure's message already names its leader and step
@@ -212,7 +212,7 @@ class LeaderStep(_Step):
             else f"leader rank {origin} (dp_rank {dp}) failed at step {step}: {message}"
         )
         for channel in groups.channels.values():
-            channel.send_plan(kind, step, wire.plan({"message": text}))
+            channel.send_encoded(kind, step, wire.encode({"message": text}))
         error = error_of(kind, text)
         if origin == place.rank and cause is not None:
             error.__cause__ = cause
@@ -250,12 +250,12 @@ class LeaderStep(_Step):
         routing, layout = settings.routing, settings.mesh_layout
         stage = "both" if self.place.pp_size == 1 else channel.name
         selected = routing.select(batch, stage)
-        if settings.delivery == "broadcast":
+        if settings.config.delivery == "broadcast":
             message, header, views, plan = self._message(channel, step, selected, ())
             assert plan.layout is not None
             own = routing.piece(plan.layout.batch(views), self.place.shard)
             return _Packed(message, header, own, plan.layout, plan.apart)
-        by_levels: dict[tuple, tuple[torch.Tensor, Header, list[torch.Tensor], wire.Plan]] = {}
+        by_levels: dict[tuple, tuple[torch.Tensor, Header, list[torch.Tensor], wire.Encoded]] = {}
         for rank in channel.ranks:
             levels = layout.place(rank).shard
             if levels not in by_levels:
@@ -269,7 +269,7 @@ class LeaderStep(_Step):
 
     def _message(
         self, channel: Channel, step: int, batch: Mapping[str, Any], shard: tuple
-    ) -> tuple[torch.Tensor, Header, list[torch.Tensor], wire.Plan]:
+    ) -> tuple[torch.Tensor, Header, list[torch.Tensor], wire.Encoded]:
         """``(message, header, the batch's tensors: its views of them or as given, its plan)``.
 
         On a broadcast channel of the host transport large host tensors travel apart
@@ -281,16 +281,16 @@ class LeaderStep(_Step):
         if encoder is None:
             apart = not channel.scattered and channel.data_group is None
             encoder = self._encoders[key] = wire.Encoder(APART_MIN_BYTES if apart else None)
-        plan = encoder.plan(batch)
-        if plan.nbytes > self.settings.max_batch_bytes:
+        plan = encoder.encode(batch)
+        if plan.nbytes > self.settings.config.max_batch_bytes:
             raise BatchError(
-                f"a {channel.name}-stage payload is {plan.nbytes} bytes; max_batch_bytes is {self.settings.max_batch_bytes}"
+                f"a {channel.name}-stage payload is {plan.nbytes} bytes; max_batch_bytes is {self.settings.config.max_batch_bytes}"
             )
         return (*channel.message(Kind.DATA, step, plan), plan)
 
     def _failure(self, what: str, error: BaseException) -> str:
         place = self.place
-        return f"leader rank {place.rank} (dp_rank {place.dp_rank}) {what} (timeout={self.settings.timeout}s): {error}"
+        return f"leader rank {place.rank} (dp_rank {place.dp_rank}) {what} (timeout={self.settings.config.timeout}s): {error}"
 
     def _warn_leaders(self, text: str) -> None:
         """Best effort: the other leaders learn of this leader's failure at their next agreement
@@ -307,7 +307,7 @@ class LeaderStep(_Step):
         for name, channel in self.settings.groups.channels.items():
             if name != failed:
                 with contextlib.suppress(RuntimeError):
-                    channel.send_plan(Kind.DELIVERY_ERROR, step + (name in sent), wire.plan({"message": text}))
+                    channel.send_encoded(Kind.DELIVERY_ERROR, step + (name in sent), wire.encode({"message": text}))
 
 
 class MemberStep(_Step):
@@ -321,7 +321,7 @@ class MemberStep(_Step):
         settings = self.settings
         channel = self._channel
         try:
-            header, payload = channel.recv(settings.max_batch_bytes)
+            header, payload = channel.recv(settings.config.max_batch_bytes)
         except RuntimeError as e:  # a failed or timed-out collective (see LeaderStep.step)
             what = f"waited for leader rank {channel.leader} to deliver step {step} and gave up"
             raise _delivery_error(settings, what, e) from e
@@ -427,7 +427,7 @@ def error_of(kind: Kind, text: str) -> BaseException:
 def _delivery_error(settings: Settings, what: str, error: BaseException) -> DeliveryError:
     place = settings.place
     return DeliveryError(
-        f"rank {place.rank} ({place.stage} stage, dp_rank {place.dp_rank}) {what} (timeout={settings.timeout}s): {error}"
+        f"rank {place.rank} ({place.stage} stage, dp_rank {place.dp_rank}) {what} (timeout={settings.config.timeout}s): {error}"
     )
 
 

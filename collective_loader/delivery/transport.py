@@ -1,7 +1,6 @@
 """Process groups and the collectives that move messages (a header and a payload in one buffer).
 
-Everything that calls ``torch.distributed`` lives here. Groups are built once, by every rank, in
-the same order (``dist.new_group`` is collective over the default group). Control messages and
+Groups are built once, by every rank, in the same order (``dist.new_group`` is collective over the default group). Control messages and
 every message header travel over gloo (CPU) groups, whatever the mesh's device is.
 
 A :class:`Channel` is one delivery group seen from one rank: the leader sends each message
@@ -120,7 +119,7 @@ class Channel:
             return self.pool.take(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def message(self, kind: Kind, step: int, plan: wire.Plan) -> tuple[torch.Tensor, Header, list[torch.Tensor]]:
+    def message(self, kind: Kind, step: int, plan: wire.Encoded) -> tuple[torch.Tensor, Header, list[torch.Tensor]]:
         """Leader: ``(host buffer, header, tensors)`` of the message announcing ``kind`` with
         ``plan``; ``tensors`` are the plan's tensors: the buffer's views holding them, or the
         tensors as given for those that travel apart."""
@@ -128,7 +127,7 @@ class Channel:
         buf = self.buffer(wire.HEADER_BYTES + header.inline_nbytes)
         return buf, header, wire.write_message(kind, step, plan, buf)
 
-    def send_plan(self, kind: Kind, step: int, plan: wire.Plan = wire.NOTHING) -> None:
+    def send_encoded(self, kind: Kind, step: int, plan: wire.Encoded = wire.NOTHING) -> None:
         """Leader: build one message and send it to every member over gloo."""
         buf, header, _ = self.message(kind, step, plan)
         self.send(buf, header)
@@ -205,7 +204,7 @@ class Channel:
 
     def recv_apart(self, payload: torch.Tensor, ranges: Sequence[slice]) -> None:
         """Members: receive the tensors that travel apart into their ``ranges`` of ``payload``
-        (from :meth:`~collective_loader.plan.wire.Layout.apart`), in order."""
+        (from :meth:`~collective_loader.plan.wire.PayloadLayout.apart`), in order."""
         for where in ranges:
             self._recv_into(payload[where])
 
@@ -251,11 +250,20 @@ class Groups:
     replica: Channel  # gloo, this rank's whole replica: the leader shares the loader's state
     count: int  # groups created by every rank
 
+    def traffic(self) -> dict[str, int]:
+        """Collectives and bytes this rank has sent and received through its delivery groups."""
+        out = {"collectives": 0, "bytes_sent": 0, "bytes_received": 0}
+        for channel in self.channels.values():
+            for key in out:
+                out[key] += getattr(channel, key)
+        return out
+
 
 def build_groups(
     control: dist.ProcessGroup,
     layout: MeshLayout,
     place: Place,
+    *,
     device: torch.device,
     transport: Transport,
     timeout: float,

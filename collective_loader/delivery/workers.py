@@ -32,3 +32,12 @@ def stop_workers(iterator: Any, dataloader: Any = None) -> None:
         shutdown()
     if getattr(dataloader, "_iterator", None) is iterator:
         dataloader._iterator = None  # persistent_workers: the next epoch must not reuse it
+
+
+def stop_dataloader_workers(dataloader: Any) -> None:
+    """End the workers a ``DataLoader`` keeps between epochs (``persistent_workers=True``); a
+    no-op for any other iterable.
+
+    >>> stop_dataloader_workers(range(3))
+    """
+    stop_workers(getattr(dataloader, "_iterator", None), dataloader)

@@ -39,6 +39,7 @@ import torch
 
 from collective_loader.errors import BatchError
 from collective_loader.plan import sharding
+from collective_loader.plan.sharding import Levels
 
 IGNORE_INDEX = -100  # what padded labels hold: the default ignore_index of torch's cross entropy
 
@@ -59,8 +60,6 @@ METADATA = (
     DOCUMENT_IDS,
     DOCUMENT_POSITIONS,
 )
-
-Levels = Sequence[tuple[int, int]]
 
 
 @dataclass(frozen=True)

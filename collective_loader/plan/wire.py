@@ -11,7 +11,7 @@ A message on the wire is one uint8 buffer (:func:`write_message`):
 A payload's last ``apart_nbytes`` bytes may be left out of the buffer: the tensors that lie there
 (large, contiguous host tensors; see :class:`Encoder`) then travel each in a collective of its
 own, straight from the sender's tensor, and the receiver receives them into their places in its
-payload (:meth:`Layout.apart`). The buffer then holds the header, the description and the small
+payload (:meth:`PayloadLayout.apart`). The buffer then holds the header, the description and the small
 tensors, and the sender copies none of the large ones.
 
 The decoder checks every field against the buffer it was given before it creates a view, so
@@ -160,7 +160,7 @@ def data_start(meta_nbytes: int) -> int:
 
 
 @dataclass
-class Plan:
+class Encoded:
     """Where everything of one batch goes in the payload; :func:`write` fills a buffer from it.
 
     ``layout``: the description as a receiver decodes it (None only for :data:`NOTHING`).
@@ -171,7 +171,7 @@ class Plan:
     meta: bytes
     tensors: list[tuple[int, torch.Tensor]]  # (byte offset, tensor as given)
     nbytes: int
-    layout: Layout | None = None
+    layout: PayloadLayout | None = None
     apart: list[torch.Tensor] = field(default_factory=list)
     apart_nbytes: int = 0
 
@@ -266,21 +266,21 @@ def _goes_apart(tensor: torch.Tensor) -> bool:
 
 
 class Encoder:
-    """Plans the batches of one stream of messages (a channel's, for one shard).
+    """Encodes the batches of one stream of messages (a channel's, for one shard).
 
     ``apart_min``: tensors of at least this many bytes (host, contiguous) travel apart, each in
     a collective of its own straight from its memory, instead of being copied into the message
     (None: every tensor is copied in).
 
     A batch whose description repeats the last one's (tensors of the same dtypes and shapes
-    under the same keys) reuses its encoded description and :class:`Layout`: no JSON encoding,
+    under the same keys) reuses its encoded description and :class:`PayloadLayout`: no JSON encoding,
     and no decoding of the leader's own message for its own batch. Plain values are encoded
     every time; their layout is reused when the encoded bytes are the same.
 
     Example::
 
         >>> ids = torch.zeros(4, 1024, dtype=torch.int64)    # 32 KiB
-        >>> p = Encoder(apart_min=16 << 10).plan({"ids": ids, "n": torch.ones(2)})
+        >>> p = Encoder(apart_min=16 << 10).encode({"ids": ids, "n": torch.ones(2)})
         >>> p.apart_nbytes, p.apart[0].data_ptr() == ids.data_ptr(), p.nbytes - p.apart_nbytes
         (32768, True, 192)
     """
@@ -290,9 +290,9 @@ class Encoder:
             raise ValueError(f"apart_min must be >= 1 or None, got {apart_min}")
         self.apart_min = apart_min
         self._tree: Any = None  # the last exact tree, whose layout is self._layout
-        self._layout: Layout | None = None
+        self._layout: PayloadLayout | None = None
 
-    def plan(self, batch: Mapping[str, Any]) -> Plan:
+    def encode(self, batch: Mapping[str, Any]) -> Encoded:
         """Lay out ``batch`` (a mapping, nested mappings allowed) in one payload.
 
         Tuples are delivered as lists. Raises :class:`BatchError` naming the key of anything that
@@ -315,30 +315,30 @@ class Encoder:
                 layout = describe(meta, _align(len(meta)) + nbytes)
             self._tree, self._layout = (tree if walk.exact else None), layout
         start = _align(len(layout.meta))
-        return Plan(layout.meta, [(start + o, t) for o, t in tensors], start + nbytes, layout, apart, apart_nbytes)
+        return Encoded(layout.meta, [(start + o, t) for o, t in tensors], start + nbytes, layout, apart, apart_nbytes)
 
 
-def plan(batch: Mapping[str, Any]) -> Plan:
-    """Lay out ``batch`` in one payload (see :meth:`Encoder.plan`; nothing is reused)."""
-    return Encoder().plan(batch)
+def encode(batch: Mapping[str, Any]) -> Encoded:
+    """Lay out ``batch`` in one payload (see :meth:`Encoder.encode`; nothing is reused)."""
+    return Encoder().encode(batch)
 
 
-def write(plan_: Plan, out: torch.Tensor) -> list[torch.Tensor]:
+def write(encoded: Encoded, out: torch.Tensor) -> list[torch.Tensor]:
     """Fill ``out`` (uint8, CPU, on an ``ALIGN`` boundary of its storage, at least the payload's
-    inline part: ``plan_.nbytes - plan_.apart_nbytes``) with the planned payload but the tensors
+    inline part: ``encoded.nbytes - encoded.apart_nbytes``) with the planned payload but the tensors
     that travel apart; return the batch's tensors in plan order: views of ``out``, and the apart
     tensors as given."""
-    if plan_.meta:
-        out.numpy().data[: len(plan_.meta)] = plan_.meta
-    return _write_tensors(plan_, out, 0)
+    if encoded.meta:
+        out.numpy().data[: len(encoded.meta)] = encoded.meta
+    return _write_tensors(encoded, out, 0)
 
 
-def _write_tensors(plan_: Plan, out: torch.Tensor, start: int) -> list[torch.Tensor]:
+def _write_tensors(encoded: Encoded, out: torch.Tensor, start: int) -> list[torch.Tensor]:
     """:func:`write`'s tensors, for a payload at byte ``start`` of ``out``."""
-    if plan_.layout is None:
+    if encoded.layout is None:
         return []
-    views = plan_.layout.views(out, plan_.nbytes - plan_.apart_nbytes, start)
-    for i, (_, tensor) in enumerate(plan_.tensors):
+    views = encoded.layout.views(out, encoded.nbytes - encoded.apart_nbytes, start)
+    for i, (_, tensor) in enumerate(encoded.tensors):
         view = views[i]
         if view is None:  # travels apart: the batch keeps the tensor as given
             views[i] = tensor
@@ -347,17 +347,17 @@ def _write_tensors(plan_: Plan, out: torch.Tensor, start: int) -> list[torch.Ten
     return cast(list[torch.Tensor], views)
 
 
-NOTHING = Plan(b"", [], 0)  # the payload of a message that is its header alone
+NOTHING = Encoded(b"", [], 0)  # the payload of a message that is its header alone
 
 
-def write_message(kind: Kind, step: int, plan_: Plan, out: torch.Tensor) -> list[torch.Tensor]:
-    """Fill ``out`` (uint8, CPU, ``HEADER_BYTES + plan_.nbytes`` long at least) with one message,
+def write_message(kind: Kind, step: int, encoded: Encoded, out: torch.Tensor) -> list[torch.Tensor]:
+    """Fill ``out`` (uint8, CPU, ``HEADER_BYTES + encoded.nbytes`` long at least) with one message,
     the header then the payload; return the views of ``out`` that hold the batch's tensors.
 
     Example::
 
         >>> out = torch.empty(256, dtype=torch.uint8)
-        >>> p = plan({"x": torch.ones(2)})
+        >>> p = encode({"x": torch.ones(2)})
         >>> views = write_message(Kind.DATA, 3, p, out)
         >>> header = Header.decode(out[:HEADER_BYTES].view(torch.int64), 1 << 20)
         >>> header.step, header.payload_nbytes == p.nbytes, views
@@ -365,16 +365,16 @@ def write_message(kind: Kind, step: int, plan_: Plan, out: torch.Tensor) -> list
         >>> unpack(out[HEADER_BYTES : HEADER_BYTES + p.nbytes], header.meta_nbytes)
         {'x': tensor([1., 1.])}
     """
-    header = Header(kind, step, plan_.nbytes, len(plan_.meta), plan_.apart_nbytes)
+    header = Header(kind, step, encoded.nbytes, len(encoded.meta), encoded.apart_nbytes)
     data = out.numpy().data  # once: every torch call costs a few us per step
     _HEADER.pack_into(data, 0, *header.words())
-    data[HEADER_BYTES : HEADER_BYTES + len(plan_.meta)] = plan_.meta
-    return _write_tensors(plan_, out, HEADER_BYTES)
+    data[HEADER_BYTES : HEADER_BYTES + len(encoded.meta)] = encoded.meta
+    return _write_tensors(encoded, out, HEADER_BYTES)
 
 
 def pack(batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
     """``(payload, meta_nbytes)`` for ``batch`` on the CPU."""
-    p = plan(batch)
+    p = encode(batch)
     out = torch.zeros(p.nbytes, dtype=torch.uint8)
     write(p, out)
     return out, len(p.meta)
@@ -384,7 +384,7 @@ def pack(batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
 
 
 class _Slot:
-    """A tensor's place in a :class:`Layout`'s template: the index of its view."""
+    """A tensor's place in a :class:`PayloadLayout`'s template: the index of its view."""
 
     __slots__ = ("index",)
 
@@ -393,7 +393,7 @@ class _Slot:
 
 
 @dataclass(frozen=True)
-class Layout:
+class PayloadLayout:
     """A checked batch description: the batch's tree and where each tensor lies in a payload.
 
     Made by :func:`describe` from the description's bytes and the payload's size, never from
@@ -530,7 +530,7 @@ class _Reader:
         return _Slot(len(self.tensors) - 1)
 
 
-def describe(meta: bytes, size: int) -> Layout:
+def describe(meta: bytes, size: int) -> PayloadLayout:
     """Decode and check a batch description (``meta``) for a payload of ``size`` bytes whose
     tensor data starts after it (:func:`data_start`). Raises :class:`WireError`."""
     try:
@@ -541,27 +541,27 @@ def describe(meta: bytes, size: int) -> Layout:
     template = reader.node(tree, 0)
     if not isinstance(template, dict):
         raise WireError("batch description is not a mapping")
-    return Layout(meta, tuple(reader.tensors), template, reader.end)
+    return PayloadLayout(meta, tuple(reader.tensors), template, reader.end)
 
 
 class Decoder:
     """Decodes the payloads of one stream of messages (a channel's).
 
     A payload whose description is byte for byte the last one's reuses that description's
-    :class:`Layout`: the checks that depend on the payload itself (its tensor, its size) run
+    :class:`PayloadLayout`: the checks that depend on the payload itself (its tensor, its size) run
     every time, so a payload is accepted exactly when a full decode accepts it.
     """
 
     def __init__(self) -> None:
-        self._layout: Layout | None = None
+        self._layout: PayloadLayout | None = None
 
     def unpack(self, payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> dict[str, Any]:
         """See :func:`unpack`."""
         layout = self.layout(payload, meta_nbytes, meta)
         return layout.batch(layout.views(payload))
 
-    def layout(self, payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> Layout:
-        """The checked :class:`Layout` of ``payload`` (see :func:`unpack`), before its tensors are
+    def layout(self, payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> PayloadLayout:
+        """The checked :class:`PayloadLayout` of ``payload`` (see :func:`unpack`), before its tensors are
         viewed: a receiver learns from it where the tensors that travel apart go."""
         if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
             raise WireError(

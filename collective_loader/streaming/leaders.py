@@ -142,6 +142,12 @@ class _LeadersBarrier:
 _leaders_barrier = _LeadersBarrier()
 
 
+def leaders_barrier() -> None:
+    """Inside :func:`leaders_world`: a barrier of the leaders, the same agreement as each of
+    streaming's own (so a leader that failed before it is reported here)."""
+    _leaders_barrier._barrier()
+
+
 def _leader_failed(origin: int, text: str) -> Exception:
     return LeaderError(f"leader rank {origin} failed while the leaders built their datasets: {text}")
 

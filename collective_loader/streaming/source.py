@@ -31,7 +31,6 @@ a resume, with the same DP degree or another, trains every token once.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 import warnings
@@ -44,13 +43,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
-from collective_loader.delivery.transport import new_group
-from collective_loader.delivery.workers import stop_workers
+from collective_loader.delivery.leaders import LeaderGroup
+from collective_loader.delivery.workers import stop_dataloader_workers, stop_workers
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement
 from collective_loader.streaming.cleanup import release, remove_stale
-from collective_loader.streaming.leaders import leader_env, leaders_world
+from collective_loader.streaming.leaders import leader_env, leaders_barrier, leaders_world
 from collective_loader.text.collate import lm_collate
-from collective_loader.text.layouts import DocumentCollate, Layout, TextColumn, TokenColumn
+from collective_loader.text.layouts import ColumnLayout, DocumentCollate, TextColumn, TokenColumn
 from collective_loader.text.packing import Packing
 from collective_loader.text.resume import Cursor, combine
 from collective_loader.text.rows import PackedRows
@@ -98,7 +97,7 @@ class StreamingSource:
         *,
         batch_size: int,
         collate: Callable[[Sequence[Sample]], Mapping[str, Any]] | None = None,
-        layout: Layout | None = None,
+        layout: ColumnLayout | None = None,
         packing: Packing | None = None,
         documents_per_batch: int | None = None,
         num_workers: int = 0,
@@ -121,11 +120,7 @@ class StreamingSource:
         # streaming cannot express is refused everywhere, not on the leaders alone (the others
         # would wait for them in a group creation until killed)
         self._env = leader_env(leaders, self.place.dp_rank, local_world_size)
-        self._group = (
-            new_group(sorted(leaders), "gloo", timeout, "collective_loader:streaming_leaders")
-            if len(leaders) > 1
-            else None
-        )
+        self._leaders = LeaderGroup.build(leaders, timeout, "streaming_leaders")
         self.batch_size = batch_size
         self.packing = packing
         self.layout = layout
@@ -152,11 +147,11 @@ class StreamingSource:
         from collective_loader.streaming.indexed import IndexedDataset
 
         kind = DownloadFailureRaisingDataset if self.packing is None else IndexedDataset
-        with leaders_world(self._env, self._group):
+        with leaders_world(self._env, self._leaders.group):
             if self._clean_stale:
                 if self.place.dp_rank % int(self._env["LOCAL_WORLD_SIZE"]) == 0:  # the node's first leader
                     remove_stale()
-                dist.barrier()  # the leaders' barrier: nobody looks for blocks while they are removed
+                leaders_barrier()  # nobody looks for blocks while they are removed
             dataset = kind(batch_size=self.documents_per_batch, **self._dataset_kwargs)
         loader = DataLoader(
             dataset,
@@ -167,13 +162,13 @@ class StreamingSource:
         )
         global_batch = self.documents_per_batch * self.place.dp_size
         if self.packing is None:
-            return LeaderStream(dataset, loader, global_batch, self._group)
+            return LeaderStream(dataset, loader, global_batch, self._leaders)
         world = (int(self._env["WORLD_SIZE"]), int(self._env["LOCAL_WORLD_SIZE"]))
         return LeaderStream(
             dataset,
             loader,
             global_batch,
-            self._group,
+            self._leaders,
             PackedRows(self.packing, self.batch_size, self.place.dp_rank, world),
         )
 
@@ -219,7 +214,7 @@ class LeaderStream:
         dataset: Any,
         loader: DataLoader,
         global_batch: int,
-        leaders: dist.ProcessGroup | None,
+        leaders: LeaderGroup,
         rows: PackedRows | None = None,
     ) -> None:
         self.dataset: Any = dataset
@@ -287,20 +282,13 @@ class LeaderStream:
         if state["packing"]["iteration"] != rows.iteration:
             raise RuntimeError("the packing state is of an earlier epoch than the one this leader is in")
         cursor = Cursor(*state["packing"]["cursor"])
-        first = min(self._all_leaders(cursor.step))
-        parts = self._all_leaders(rows.log.hand_over(rows.dp_rank, cursor, first))
+        first = min(self._leaders.gather(cursor.step))
+        parts = self._leaders.gather(rows.log.hand_over(rows.dp_rank, cursor, first))
         entries = combine(parts, rows.resumed, first)
         rows.log.prune(first)
         out = {k: v for k, v in state.items() if k != "packing"}
         out["sample_in_epoch"] = first * self.global_batch
         out["packing"] = {"world": list(rows.world), "entries": torch.from_numpy(entries)}
-        return out
-
-    def _all_leaders(self, value: Any) -> list[Any]:
-        if self._leaders is None:
-            return [value]
-        out: list[Any] = [None] * dist.get_world_size(self._leaders)
-        dist.all_gather_object(out, value, group=self._leaders)
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -347,14 +335,12 @@ class LeaderStream:
         # the last epoch's workers: a packing leader's epoch can end at another leader's last step,
         # leaving its DataLoader iterator (and workers) unfinished; and persistent_workers
         stop_workers(self._batches, self.loader)
-        stop_workers(getattr(self.loader, "_iterator", None), self.loader)
+        stop_dataloader_workers(self.loader)
         dataset, self.dataset, self.loader = self.dataset, None, None
-        if self._leaders is not None:
-            try:
-                dist.monitored_barrier(group=self._leaders, timeout=datetime.timedelta(seconds=CLOSE_WAIT))
-            except RuntimeError as e:
-                warnings.warn(
-                    f"not every leader closed its dataset; leaving streaming's files in place: {e}", stacklevel=2
-                )
-                return
+        missing = self._leaders.wait_for_all(CLOSE_WAIT)
+        if missing is not None:
+            warnings.warn(
+                f"not every leader closed its dataset; leaving streaming's files in place: {missing}", stacklevel=2
+            )
+            return
         release(dataset)

@@ -2,7 +2,7 @@
 
 * :mod:`~collective_loader.text.layouts`: where a sample's tokens are (LLM Foundry's MDS
   layouts): :class:`TokenColumn` (bytes of a dtype, or an integer ndarray), :class:`TextColumn`;
-* :mod:`~collective_loader.text.tokenizer`: :class:`Encoder`, one call over the tokenizers users have;
+* :mod:`~collective_loader.text.tokenizer`: :class:`TextEncoder`, one call over the tokenizers users have;
 * :mod:`~collective_loader.text.packing`: :class:`Packing`, the :class:`Packer` and the batch of
   packed rows with its document boundaries;
 * :mod:`~collective_loader.text.rows`: :class:`PackedRows`, a packing leader's epoch and its cursor;
@@ -10,16 +10,17 @@
 * :mod:`~collective_loader.text.collate`: :func:`lm_collate` for rows written whole.
 """
 
+from collective_loader.deprecation import renamed
 from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import TextColumn, TokenColumn
 from collective_loader.text.packing import BOUNDARIES, IGNORE_INDEX, Packing
 from collective_loader.text.rows import PackedRows
-from collective_loader.text.tokenizer import Encoder, load_tokenizer
+from collective_loader.text.tokenizer import TextEncoder, load_tokenizer
 
 __all__ = [
     "BOUNDARIES",
     "IGNORE_INDEX",
-    "Encoder",
+    "TextEncoder",
     "PackedRows",
     "Packing",
     "TextColumn",
@@ -27,3 +28,5 @@ __all__ = [
     "lm_collate",
     "load_tokenizer",
 ]
+
+__getattr__ = renamed(__name__, {"Encoder": "TextEncoder"}, globals())

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from collective_loader.text.tokenizer import Encoder
+from collective_loader.deprecation import renamed
+from collective_loader.text.tokenizer import TextEncoder
 
 Sample = Mapping[str, Any]
 INTEGER_TYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")  # LLM Foundry's
@@ -123,7 +124,7 @@ class TextColumn:
     ``tokenizer``: a ``tokenizers.Tokenizer``, a ``transformers`` tokenizer, TorchTitan's
     ``BaseTokenizer`` (``encode(text, add_bos=, add_eos=)``), or the path of a ``tokenizer.json``
     (or of a directory holding one, with its ``tokenizer_config.json``); see
-    :class:`~collective_loader.text.tokenizer.Encoder` for where the BOS / EOS ids come from and
+    :class:`~collective_loader.text.tokenizer.TextEncoder` for where the BOS / EOS ids come from and
     ``bos_token`` / ``eos_token`` for a tokenizer that does not name them. It is pickled to
     DataLoader workers, which tokenize.
     """
@@ -135,10 +136,10 @@ class TextColumn:
     bos_token: str | None = None
     eos_token: str | None = None
 
-    def encoder(self) -> Encoder:
-        return Encoder(self.tokenizer, self.add_bos, self.add_eos, self.bos_token, self.eos_token)
+    def encoder(self) -> TextEncoder:
+        return TextEncoder(self.tokenizer, self.add_bos, self.add_eos, self.bos_token, self.eos_token)
 
-    def documents(self, samples: Sequence[Sample], encoder: Encoder | None = None) -> list[np.ndarray]:
+    def documents(self, samples: Sequence[Sample], encoder: TextEncoder | None = None) -> list[np.ndarray]:
         """Each sample's text tokenized, ``(tokens,)`` int64; pass ``encoder`` to reuse one."""
         texts = []
         for sample in samples:
@@ -157,14 +158,14 @@ class TextColumn:
         return [np.asarray(ids, dtype=np.int64) for ids in (encoder or self.encoder())(texts)]
 
 
-Layout = TokenColumn | TextColumn
+ColumnLayout = TokenColumn | TextColumn
 
 
 SAMPLE_INDEX = "_sample_index"  # the key under which the leader's dataset gives each sample's index
 
 
 @dataclass
-class Documents:
+class TokenizedBatch:
     """One sample-batch tokenized, as a DataLoader worker hands it to its leader: ``samples``
     ``(n,)`` int64, each sample's index in the dataset; ``tokens``, each one's ids ``(tokens,)`` int64."""
 
@@ -173,20 +174,23 @@ class Documents:
 
 
 class DocumentCollate:
-    """The DataLoader's ``collate_fn`` when packing: samples -> :class:`Documents` (the tokenizing
+    """The DataLoader's ``collate_fn`` when packing: samples -> :class:`TokenizedBatch` (the tokenizing
     happens here, in the DataLoader's workers). Samples carry their index under :data:`SAMPLE_INDEX`.
 
     >>> DocumentCollate(TokenColumn())([{"tokens": np.array([3, 4]), SAMPLE_INDEX: 9}]).samples.tolist()
     [9]
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: ColumnLayout) -> None:
         self.layout = layout
         self._encoder = layout.encoder() if isinstance(layout, TextColumn) else None  # resolved once per process
 
-    def __call__(self, samples: Sequence[Sample]) -> Documents:
+    def __call__(self, samples: Sequence[Sample]) -> TokenizedBatch:
         if isinstance(self.layout, TextColumn):
             tokens = self.layout.documents(samples, self._encoder)
         else:
             tokens = self.layout.documents(samples)
-        return Documents(np.array([int(s[SAMPLE_INDEX]) for s in samples], dtype=np.int64), tokens)
+        return TokenizedBatch(np.array([int(s[SAMPLE_INDEX]) for s in samples], dtype=np.int64), tokens)
+
+
+__getattr__ = renamed(__name__, {"Layout": "ColumnLayout"}, globals())

@@ -36,7 +36,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100  # labels of padding: the default ignore_index of torch's cross entropy
+from collective_loader.plan.documents import IGNORE_INDEX
+
 PAD_ID = 0  # input_ids of padding (its labels are ignored and its own segment keeps it apart)
 BOUNDARIES = ("position_ids", "cu_seqlens", "max_seqlen", "sequence_id")
 AtEnd = Literal["pad", "drop"]

@@ -1,7 +1,7 @@
 """A packing leader's epoch: sample-batches of documents in, batches of rows out, and where it is.
 
 :class:`PackedRows` is what a leader's stream does with what its DataLoader yields (one
-:class:`~collective_loader.text.layouts.Documents` per sample-batch, tokenized by the workers):
+:class:`~collective_loader.text.layouts.TokenizedBatch` per sample-batch, tokenized by the workers):
 it numbers each sample-batch with its step, passes over what a resume's hand-over says was
 trained (:class:`~collective_loader.text.resume.Skips`), packs the rest in order
 (:class:`~collective_loader.text.packing.Packer`) and hands out batches of ``batch_rows`` rows.
@@ -18,20 +18,20 @@ from typing import cast
 import numpy as np
 import torch
 
-from collective_loader.text.layouts import Documents
+from collective_loader.text.layouts import TokenizedBatch
 from collective_loader.text.packing import Packer, Packing, Row, Stats, batch_of
 from collective_loader.text.resume import FULL, Cursor, Log, Skips, empty
 
 
 class PackedRows:
-    """A packing leader's rows: its DataLoader's :class:`Documents` in, batches of rows out, and
+    """A packing leader's rows: its DataLoader's :class:`TokenizedBatch` in, batches of rows out, and
     what its state needs: the packer's :class:`Cursor` and the :class:`Log` of documents passed.
 
     ``world``: the leaders' streaming world, ``(leaders, leaders per node)``; a hand-over from
     the same world restores this leader's own rows, one from another is shared by all.
 
     >>> rows = PackedRows(Packing(seq_len=3), batch_rows=1, dp_rank=0, world=(1, 1))
-    >>> docs = [Documents(np.array([7, 8]), [np.array([1, 2, 3]), np.array([4, 5, 6])])]
+    >>> docs = [TokenizedBatch(np.array([7, 8]), [np.array([1, 2, 3]), np.array([4, 5, 6])])]
     >>> batches = rows.rows(iter(docs), first_step=lambda: 0)
     >>> next(batches)["input_ids"].tolist(), rows.cursor()
     ([[1, 2, 3]], Cursor(step=0, index=1, offset=1))
@@ -64,7 +64,9 @@ class PackedRows:
         step, index = cast(tuple[int, int], ref)  # the refs this class gives its packer
         return Cursor(step, index, offset)
 
-    def rows(self, batches: Iterator[Documents], first_step: Callable[[], int]) -> Iterator[dict[str, torch.Tensor]]:
+    def rows(
+        self, batches: Iterator[TokenizedBatch], first_step: Callable[[], int]
+    ) -> Iterator[dict[str, torch.Tensor]]:
         """One epoch: batches of ``batch_rows`` rows packed from ``batches``, sample-batch ``k`` of
         which is step ``first_step() + k`` (asked once the first has arrived)."""
         self.iteration += 1

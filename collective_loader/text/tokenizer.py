@@ -1,6 +1,6 @@
 """One call for the tokenizers users have: texts -> token ids, with BOS / EOS as configured.
 
-:class:`Encoder` takes
+:class:`TextEncoder` takes
 
 * a ``tokenizers.Tokenizer``: batches go through ``encode_batch`` (no special tokens of its own);
   BOS / EOS are the tokens named ``bos_token`` / ``eos_token``;
@@ -23,6 +23,8 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from collective_loader.deprecation import renamed
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -53,13 +55,13 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     return Tokenizer.from_file(file)
 
 
-class Encoder:
+class TextEncoder:
     """``encoder(texts) -> [[ids], ...]``: each text's token ids, BOS first and EOS last as asked.
 
     >>> from tokenizers import Tokenizer, models, pre_tokenizers
     >>> tok = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "a": 2, "b": 3}, unk_token="<s>"))
     >>> tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    >>> Encoder(tok, add_bos=True, add_eos=True, bos_token="<s>", eos_token="</s>")(["a b", "b"])
+    >>> TextEncoder(tok, add_bos=True, add_eos=True, bos_token="<s>", eos_token="</s>")(["a b", "b"])
     [[0, 2, 3, 1], [0, 3, 1]]
     """
 
@@ -134,3 +136,6 @@ class Encoder:
         head = [bos_id] if bos_id is not None else []
         tail = [eos_id] if eos_id is not None else []
         return lambda texts: [head + list(ids) + tail for ids in encode(texts)] if texts else []
+
+
+__getattr__ = renamed(__name__, {"Encoder": "TextEncoder"}, globals())

@@ -162,7 +162,7 @@ def _expected_collectives(loader, stage: str) -> int:
     frame, count = wire.HEADER_BYTES, 0
     encoder = wire.Encoder(APART_MIN_BYTES)
     for step, length in enumerate(BIG_LENGTHS):
-        plan = encoder.plan(loader.routing.select(big_batch(step, length), stage))
+        plan = encoder.encode(loader.routing.select(big_batch(step, length), stage))
         inline = wire.HEADER_BYTES + plan.nbytes - plan.apart_nbytes
         count += 1 + (inline > frame) + len(plan.apart)
         frame = inline

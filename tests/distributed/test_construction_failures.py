@@ -18,6 +18,7 @@ from collective_loader import (
     CollectiveLoader,
     ConstructionError,
     LeaderError,
+    LoaderConfig,
     mesh_place,
 )
 from collective_loader.streaming import StreamingSource
@@ -46,6 +47,13 @@ def build(phase: str, data: str) -> dict:
             CollectiveLoader(
                 lambda: [], mesh, inputs=INPUTS, labels=LABELS, prefetch=0 if me == FAILING else None, timeout=TIMEOUT
             )
+        elif phase == "option":  # a misspelt option on one rank
+            options = {"prefech": 2} if me == FAILING else {}
+            CollectiveLoader(lambda: [], mesh, inputs=INPUTS, labels=LABELS, timeout=TIMEOUT, **options)
+        elif phase == "config":  # a config and keywords at once, on one rank
+            config = LoaderConfig(inputs=INPUTS, labels=LABELS, timeout=TIMEOUT)
+            options = {"prefetch": 2} if me == FAILING else {}
+            CollectiveLoader(lambda: [], mesh, config, **options)
         elif phase == "source":
 
             def source():
@@ -72,6 +80,8 @@ def build(phase: str, data: str) -> dict:
             ConstructionError,
             f"rank {FAILING} could not build CollectiveLoader: ValueError: prefetch must be >= 1",
         ),
+        ("option", ConstructionError, f"rank {FAILING} could not build CollectiveLoader: TypeError: "),
+        ("config", ConstructionError, "give a LoaderConfig or its fields as keywords, not both"),
         ("source", LeaderError, f"leader rank {FAILING} could not build its source: OSError: no such bucket"),
         ("dataset", LeaderError, f"leader rank {FAILING} failed while the leaders built their datasets"),
     ],
@@ -83,3 +93,21 @@ def test_a_phase_failing_on_one_rank_fails_on_every_rank(worlds, data, phase, er
         assert r["error"] == error.__name__, r
         assert needle in r["message"] and r["after"] < FAST, r
     assert len(messages) == 1, messages  # the same error everywhere
+
+
+def build_from_config() -> dict:
+    mesh = ranks.make_mesh(*MESH)
+    place = mesh_place(mesh, dist.get_rank())
+    config = LoaderConfig(inputs=INPUTS, labels=LABELS, timeout=TIMEOUT, prefetch=3)
+    batches = [ranks.sample_batch([2 * i + place.dp_rank], 8) for i in range(3)]
+    with CollectiveLoader(batches, mesh, config) as loader:
+        ids = [batch["sample_id"].tolist() for batch in loader]
+        return {"same": loader.config == config, "prefetch": loader.settings.prefetch, "ids": ids, "dp": place.dp_rank}
+
+
+def test_a_loader_config_builds_the_loader_it_describes(worlds):
+    """``CollectiveLoader(source, mesh, LoaderConfig(...))`` is the keyword form's twin: every rank
+    delivers its replica's batches and reports the config it was given."""
+    for r in worlds.get(4).run(build_from_config, timeout=TIMEOUT + 30):
+        assert r["same"] and r["prefetch"] == 3, r
+        assert r["ids"] == [[2 * i + r["dp"]] for i in range(3)], r

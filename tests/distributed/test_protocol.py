@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from collective_loader.delivery.agreement import control_group
+from collective_loader.delivery.config import LoaderConfig
 from collective_loader.delivery.prefetch import Prefetcher
 from collective_loader.delivery.protocol import (
     LeaderStep,
@@ -44,8 +45,19 @@ def settings_by_hand(transport: str, delivery: str) -> Settings:
     keys = ranks.KEYS
     routing = Routing(keys["inputs"], keys["labels"], keys["seq_dims"], "zigzag", layout.shard_dims())
     cpu = torch.device("cpu")
-    groups = build_groups(control_group(30.0), layout, place, cpu, transport, 30.0, delivery == "scatter", 4, False)
-    return Settings(layout, place, routing, groups, cpu, transport, delivery, 2, 30.0, 1 << 20)
+    config = LoaderConfig(transport=transport, delivery=delivery, prefetch=2, timeout=30.0, max_batch_bytes=1 << 20)
+    groups = build_groups(
+        control_group(30.0),
+        layout,
+        place,
+        device=cpu,
+        transport=transport,
+        timeout=30.0,
+        scatter=delivery == "scatter",
+        buffers_per_channel=4,
+        middle_data=False,
+    )
+    return Settings(config, layout, place, routing, cpu, 2, groups)
 
 
 def by_hand(transport: str, delivery: str) -> dict:

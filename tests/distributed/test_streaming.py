@@ -23,8 +23,11 @@ import torch
 import torch.distributed as dist
 
 from collective_loader import CollectiveLoader, LeaderError
+from collective_loader.cli.args import DemoArgs
+from collective_loader.cli.naive import naive_ids
+from collective_loader.cli.report import label_mismatch
+from collective_loader.cli.run import failed
 from collective_loader.delivery.transport import new_group
-from collective_loader.demo import DemoArgs, failed, label_mismatch, naive_ids
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
 from collective_loader.streaming import StreamingSource
@@ -313,7 +316,7 @@ def left_early(data):
     loader = _build(data, ("pp", "dp", "tp"), (2, 2, 2), 4)
     it = iter(loader)
     next(it), next(it)
-    iterator = loader._source.dataset._iterator if loader.is_leader else None
+    iterator = loader.source.dataset._iterator if loader.is_leader else None
     _free(loader)
     from streaming.base.dataset import _IterState
 

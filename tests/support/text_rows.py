@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from collective_loader.text.layouts import Documents
+from collective_loader.text.layouts import TokenizedBatch
 
 
 def row_tokens(batch: Mapping[str, Any]) -> list[np.ndarray]:
@@ -27,11 +27,11 @@ def all_tokens(batches: list[Mapping[str, Any]]) -> list[int]:
 
 def leader_documents(
     docs: list[np.ndarray], dp: int, rank: int, per_batch: int, start_step: int = 0
-) -> Iterator[Documents]:
+) -> Iterator[TokenizedBatch]:
     """Leader ``rank``'s sample-batches from ``start_step`` on, when each step's ``dp * per_batch``
     samples are consecutive sample indices dealt out in rank order (a stand-in for streaming's
     partition: any deal in which step t's samples stay in step t will do)."""
     width = dp * per_batch
     for step in range(start_step, len(docs) // width):
         ids = step * width + rank * per_batch + np.arange(per_batch)
-        yield Documents(ids.astype(np.int64), [docs[i] for i in ids])
+        yield TokenizedBatch(ids.astype(np.int64), [docs[i] for i in ids])

@@ -2,9 +2,9 @@
 modules import each other in a loop (imports inside functions and under ``TYPE_CHECKING``
 included). Read from the source with ``ast``; nothing is imported.
 
-The layers, lowest first: ``errors``; ``plan`` and ``text`` (pure); ``delivery``; the core
+The layers, lowest first: ``errors`` (and ``deprecation``); ``plan``, then ``text`` (both pure); ``delivery``; the core
 (``loader``, the package's ``__init__``); ``streaming``; ``integrations`` and ``testing``; the
-application (``demo``, ``__main__``).
+application (``cli``, ``__main__``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ CORE = {"errors", "plan", "delivery", "core"}
 MAY_IMPORT = {
     "errors": set(),
     "plan": {"errors"},
-    "text": {"errors"},
+    "text": {"errors", "plan"},
     "delivery": {"errors", "plan"},
     "core": {"errors", "plan", "delivery"},
     "streaming": CORE | {"text"},
@@ -34,9 +34,11 @@ def layer(module: str) -> str:
     """``collective_loader.plan.mesh`` -> ``plan``; the package's top-level modules by their job."""
     parts = module.split(".")[1:]
     top = parts[0] if parts else "__init__"
+    if top == "deprecation":  # old names kept importable: as low as the errors
+        return "errors"
     if top in ("loader", "__init__"):
         return "core"
-    if top in ("demo", "__main__"):
+    if top in ("cli", "__main__"):
         return "app"
     if top == "titan_configs":  # the command line's path to integrations.titan_configs
         return "integrations"

@@ -359,20 +359,21 @@ def test_the_configuration_digest_sees_the_last_field_on_a_16k_rank_layout():
     """The configuration check compares digests of the whole text, whatever the world size; the
     4 KiB messages it once gathered cut off every field after the rank list past ~800 ranks."""
     from collective_loader.delivery.agreement import digest
-    from collective_loader.delivery.settings import config_text
-    from collective_loader.plan.routing import Routing
+    from collective_loader.delivery.config import LoaderConfig
 
     dims, shape = ("pp", "dp", "cp", "tp"), (16, 128, 2, 4)
     layout = MeshLayout.build(dims, shape, range(16 * 128 * 2 * 4))
-    routing = Routing(("input_ids",), ("labels",), {"input_ids": 1, "labels": 1}, "zigzag", (("cp", 2),))
-    base = config_text(layout, routing, "broadcast", "host", 16, 600.0, 1 << 32)
-    last_field = config_text(layout, routing, "broadcast", "host", 16, 600.0, (1 << 32) - 1)
+    config = LoaderConfig(inputs=("input_ids",), labels=("labels",), seq_dims={"input_ids": 1, "labels": 1})
+    base = config.fingerprint(layout)
+    last_field = LoaderConfig(
+        inputs=("input_ids",), labels=("labels",), seq_dims={"input_ids": 1, "labels": 1}, max_batch_bytes=(1 << 32) - 1
+    ).fingerprint(layout)
     swapped = MeshLayout.build(dims, shape, [*range(16 * 128 * 2 * 4 - 2), 16383, 16382])  # last two ranks swapped
-    other_ranks = config_text(swapped, routing, "broadcast", "host", 16, 600.0, 1 << 32)
+    other_ranks = config.fingerprint(swapped)
     assert len(base) < 1024  # short enough to be shown whole on a mismatch
     assert not torch.equal(digest(base), digest(last_field))
     assert not torch.equal(digest(base), digest(other_ranks))
-    assert torch.equal(digest(base), digest(config_text(layout, routing, "broadcast", "host", 16, 600.0, 1 << 32)))
+    assert torch.equal(digest(base), digest(config.fingerprint(layout)))
 
 
 def test_the_benchmark_tables_are_well_formed():

@@ -24,7 +24,7 @@ from collective_loader.testing.data import (
     write_text_documents,
     write_token_documents,
 )
-from collective_loader.text import Encoder, TextColumn, TokenColumn, lm_collate, load_tokenizer
+from collective_loader.text import TextColumn, TextEncoder, TokenColumn, lm_collate, load_tokenizer
 from collective_loader.text.layouts import INTEGER_TYPES
 
 IDS = [np.array([1, 2, 3, 100]), np.array([5]), np.array([7, 8, 9, 10, 11, 12, 120])]
@@ -99,21 +99,21 @@ def test_every_tokenizer_kind_gives_the_same_ids(tokenizer_dir):
 
     texts = text_documents(12, seed=5)
     kinds = {
-        "tokenizers.Tokenizer": Encoder(load_tokenizer(tokenizer_dir), True, True, BOS, EOS),
-        "directory": Encoder(tokenizer_dir, True, True),
-        "tokenizer.json": Encoder(f"{tokenizer_dir}/tokenizer.json", True, True, BOS, EOS),
-        "transformers": Encoder(
+        "tokenizers.Tokenizer": TextEncoder(load_tokenizer(tokenizer_dir), True, True, BOS, EOS),
+        "directory": TextEncoder(tokenizer_dir, True, True),
+        "tokenizer.json": TextEncoder(f"{tokenizer_dir}/tokenizer.json", True, True, BOS, EOS),
+        "transformers": TextEncoder(
             PreTrainedTokenizerFast(tokenizer_file=f"{tokenizer_dir}/tokenizer.json", bos_token=BOS, eos_token=EOS),
             True,
             True,
         ),
-        "torchtitan": Encoder(HuggingFaceTokenizer(tokenizer_path=tokenizer_dir), True, True),
+        "torchtitan": TextEncoder(HuggingFaceTokenizer(tokenizer_path=tokenizer_dir), True, True),
     }
     ids = {name: enc(texts) for name, enc in kinds.items()}
     assert all(v == ids["directory"] for v in ids.values()), {k: v[0][:5] for k, v in ids.items()}
     tok = load_tokenizer(tokenizer_dir)
     assert all(d[0] == tok.token_to_id(BOS) and d[-1] == tok.token_to_id(EOS) for d in ids["directory"])
-    bare = Encoder(tokenizer_dir, add_bos=False, add_eos=False)(texts)
+    bare = TextEncoder(tokenizer_dir, add_bos=False, add_eos=False)(texts)
     assert bare == [d[1:-1] for d in ids["directory"]]
     for name, enc in kinds.items():  # DataLoader workers get a pickled copy; it resolves there again
         assert pickle.loads(pickle.dumps(enc))(texts[:2]) == ids[name][:2], name
@@ -121,13 +121,13 @@ def test_every_tokenizer_kind_gives_the_same_ids(tokenizer_dir):
 
 def test_a_tokenizer_without_the_special_token_asked_for(tokenizer_dir):
     with pytest.raises(ValueError, match="names no BOS token: pass bos_token="):
-        Encoder(load_tokenizer(tokenizer_dir), add_bos=True, add_eos=False)(["a"])
+        TextEncoder(load_tokenizer(tokenizer_dir), add_bos=True, add_eos=False)(["a"])
     with pytest.raises(ValueError, match="has no token '<eos>'"):
-        Encoder(tokenizer_dir, add_bos=False, add_eos=True, eos_token="<eos>")(["a"])
+        TextEncoder(tokenizer_dir, add_bos=False, add_eos=True, eos_token="<eos>")(["a"])
     with pytest.raises(ValueError, match="cannot tokenize with a dict"):
-        Encoder({}, True, True)(["a"])
+        TextEncoder({}, True, True)(["a"])
     with pytest.raises(ValueError, match="no tokenizer at"):
-        Encoder("/nonexistent", True, True)(["a"])
+        TextEncoder("/nonexistent", True, True)(["a"])
 
 
 def test_lm_collate_reads_bytes_of_a_type_and_refuses_ragged_rows():

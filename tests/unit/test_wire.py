@@ -274,7 +274,7 @@ def test_docstring_example():
 @FAST
 @given(batches(2))
 def test_tensor_offsets_aligned_and_disjoint(batch):
-    p = wire.plan(batch)
+    p = wire.encode(batch)
     data_start = -(-len(p.meta) // ALIGN) * ALIGN
     end = data_start
     for offset, t in p.tensors:  # in plan order, which is the payload order
@@ -288,7 +288,7 @@ def test_tensor_offsets_aligned_and_disjoint(batch):
 
 
 def test_plan_offsets_exact():
-    p = wire.plan(
+    p = wire.encode(
         {"a": torch.zeros(3, dtype=torch.uint8), "b": torch.zeros(65, dtype=torch.uint8), "c": torch.zeros(0)}
     )
     start = -(-len(p.meta) // ALIGN) * ALIGN
@@ -689,7 +689,7 @@ def test_huge_int_rejected():
 
 def test_oversized_meta_rejected():
     with pytest.raises(BatchError, match="limit"):
-        wire.plan({"s": "x" * (wire.MAX_META_BYTES + 1)})
+        wire.encode({"s": "x" * (wire.MAX_META_BYTES + 1)})
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -808,7 +808,7 @@ def test_an_encoder_encodes_every_batch_as_plan_does(choices, other):
     encoder = wire.Encoder()
     previous = None
     for batch in stream:
-        p, fresh = encoder.plan(batch), wire.plan(batch)
+        p, fresh = encoder.encode(batch), wire.encode(batch)
         assert p.meta == fresh.meta and p.nbytes == fresh.nbytes
         assert [o for o, _ in p.tensors] == [o for o, _ in fresh.tensors]
         if previous is not None and previous[0] == p.meta and set(previous[1]) == {"ids"} and set(batch) == {"ids"}:
@@ -838,8 +838,8 @@ def test_an_encoder_tells_apart_values_that_compare_equal():
         {"v": torch.ones(1)},
         {"v": torch.ones(1, dtype=torch.float64)},
     ):
-        p = encoder.plan(batch)
-        assert p.meta == wire.plan(batch).meta
+        p = encoder.encode(batch)
+        assert p.meta == wire.encode(batch).meta
         out = torch.zeros(p.nbytes, dtype=torch.uint8)
         wire.write(p, out)
         assert_same(wire.unpack(out, len(p.meta)), {str(k): v for k, v in batch.items()})
@@ -847,7 +847,7 @@ def test_an_encoder_tells_apart_values_that_compare_equal():
 
 def test_write_returns_the_views_a_decode_gives():
     batch = {"a": torch.arange(5), "b": {"c": torch.ones(2, 2, dtype=torch.bfloat16)}, "d": [1]}
-    p = wire.plan(batch)
+    p = wire.encode(batch)
     out = torch.zeros(p.nbytes, dtype=torch.uint8)
     views = wire.write(p, out)
     decoded = wire.unpack(out, len(p.meta))
@@ -857,7 +857,7 @@ def test_write_returns_the_views_a_decode_gives():
 
 def test_header_read_from_a_message():
     out = torch.empty(wire.HEADER_BYTES + 64, dtype=torch.uint8)
-    p = wire.plan({})
+    p = wire.encode({})
     wire.write_message(Kind.END, 7, p, out)
     assert Header.read(out, 1 << 20) == Header(Kind.END, 7, p.nbytes, len(p.meta))
     out[:8] = 0
@@ -868,7 +868,7 @@ def test_header_read_from_a_message():
 # --- tensors that travel apart ----------------------------------------------------------------
 
 
-def _receive(p: wire.Plan) -> dict:
+def _receive(p: wire.Encoded) -> dict:
     """What a receiver decodes from ``p``'s message and its apart tensors, each copied into its
     range of the payload, as ``Channel.recv`` and ``recv_apart`` would."""
     message = torch.zeros(wire.HEADER_BYTES + p.nbytes - p.apart_nbytes, dtype=torch.uint8)
@@ -887,7 +887,7 @@ def _receive(p: wire.Plan) -> dict:
 def test_large_host_tensors_travel_apart_after_the_rest_and_uncopied():
     big, small = torch.arange(3000, dtype=torch.int64), torch.ones(4, dtype=torch.float16)
     batch = {"big": big, "small": small, "more": {"big2": big.float().reshape(30, 100), "n": 3}}
-    p = wire.Encoder(apart_min=8000).plan(batch)
+    p = wire.Encoder(apart_min=8000).encode(batch)
     assert [t.data_ptr() for t in p.apart] == [big.data_ptr(), batch["more"]["big2"].data_ptr()]
     assert all(t.dtype == torch.uint8 and t.dim() == 1 for t in p.apart)
     assert p.apart_nbytes == sum(wire._align(t.numel()) for t in p.apart)
@@ -914,19 +914,19 @@ def test_large_host_tensors_travel_apart_after_the_rest_and_uncopied():
     ids=["strided", "grad", "conj", "small"],
 )
 def test_tensors_whose_memory_is_not_their_bytes_are_copied_in(tensor):
-    p = wire.Encoder(apart_min=100).plan({"t": tensor, "x": torch.arange(100)})
+    p = wire.Encoder(apart_min=100).encode({"t": tensor, "x": torch.arange(100)})
     assert [t.numel() for t in p.apart] == [800]  # only x travels apart
     assert_same(_receive(p), {"t": tensor, "x": torch.arange(100)})
 
 
 def test_without_apart_min_everything_is_copied_in():
-    p = wire.Encoder().plan({"t": torch.zeros(1 << 20)})
+    p = wire.Encoder().encode({"t": torch.zeros(1 << 20)})
     assert p.apart == [] and p.apart_nbytes == 0
 
 
 def test_zero_size_tensors_never_travel_apart():
     batch = {"a": torch.arange(100), "e": torch.empty(0, 5), "b": torch.arange(100), "e2": torch.empty(3, 0)}
-    p = wire.Encoder(apart_min=1).plan(batch)
+    p = wire.Encoder(apart_min=1).encode(batch)
     assert len(p.apart) == 2
     assert_same(_receive(p), batch)
 
@@ -939,7 +939,7 @@ def test_zero_size_tensors_never_travel_apart():
 @FAST
 def test_any_split_between_message_and_apart_round_trips(sizes, apart_min, dtype):
     batch = {f"t{i}": torch.arange(n).to(dtype) for i, n in enumerate(sizes)}
-    p = wire.Encoder(apart_min=apart_min).plan(batch)
+    p = wire.Encoder(apart_min=apart_min).encode(batch)
     assert p.apart_nbytes == sum(wire._align(t.numel()) for t in p.apart)
     assert_same(_receive(p), batch)
 
@@ -963,7 +963,7 @@ def test_header_rejects_impossible_apart_bytes(apart, match):
 
 
 def test_a_tensor_across_the_messages_end_is_rejected():
-    p = wire.plan({"a": torch.arange(100)})  # data from 64 to 864
+    p = wire.encode({"a": torch.arange(100)})  # data from 64 to 864
     layout = p.layout
     assert len(p.meta) <= 64 and layout is not None
     assert layout.apart(p.nbytes) == [] and layout.apart(64) == [slice(64, 864)]

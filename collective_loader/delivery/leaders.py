@@ -1,0 +1,58 @@
+"""The replicas' leaders as one gloo group, for what leaders share outside the delivery steps.
+
+A source that runs on the leaders alone (a ``StreamingSource``) needs a few collectives among
+them: the agreements of its construction, gathering their packing states into one checkpoint,
+and waiting for each other before shared files are released. They go through a
+:class:`LeaderGroup`, built by every rank (group creation is collective over the world).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from collective_loader.delivery.transport import new_group
+
+
+class LeaderGroup:
+    """The leaders' group seen from one leader; ``group`` is ``None`` when this leader is alone
+    (one replica), and every collective then returns at once.
+
+    Example (every rank builds it; only leaders use it)::
+
+        leaders = LeaderGroup.build(layout.leaders(), timeout=600.0, name="streaming_leaders")
+        if place.is_leader:
+            states = leaders.gather(my_state)   # one entry per leader, in dp_rank order
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    @classmethod
+    def build(cls, leaders: Sequence[int], timeout: float, name: str) -> LeaderGroup:
+        """Every rank of the world, in the same order: the group of ``leaders`` (global ranks)."""
+        if len(leaders) < 2:
+            return cls(None)
+        return cls(new_group(sorted(leaders), "gloo", timeout, f"collective_loader:{name}"))
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every leader's ``value`` (picklable), in leader order, on every leader."""
+        if self.group is None:
+            return [value]
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def wait_for_all(self, seconds: float) -> str | None:
+        """Wait, at most ``seconds``, until every leader calls this too; ``None`` when they did,
+        else torch's report of who did not (no exception: the caller decides)."""
+        if self.group is None:
+            return None
+        try:
+            dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=seconds))
+        except RuntimeError as e:
+            return str(e)
+        return None

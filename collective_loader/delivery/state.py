@@ -1,0 +1,47 @@
+"""The loader's state, shared from each replica's leader with the rest of its replica.
+
+Only the leader knows its source's state; a checkpoint saves it on every rank. One message over
+the replica's group carries it, in the wire format (no pickle): the same dict on every rank of
+the replica, or, when the leader cannot encode it, its error on all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from collective_loader.delivery.protocol import error_of
+from collective_loader.delivery.settings import Settings
+from collective_loader.errors import BatchError
+from collective_loader.plan import wire
+from collective_loader.plan.wire import Kind
+
+
+def share_state(settings: Settings, state: Mapping[str, Any]) -> dict[str, Any]:
+    """Every rank of a replica, at the same step: the leader's ``state`` on each of them.
+
+    ``state`` holds at least ``epoch`` and ``steps``; a rank whose own differ from its leader's
+    was called at another step and raises ``RuntimeError`` saying so. A state the wire cannot
+    carry raises :class:`~collective_loader.BatchError` on the leader and on every rank of its replica.
+    """
+    place, channel = settings.place, settings.groups.replica
+    if place.is_leader:
+        try:
+            plan = wire.encode(state)
+        except BatchError as e:  # the replica waits for this message: send it the error instead
+            text = f"leader rank {place.rank} cannot send its loader state to its replica: {e}"
+            channel.send_encoded(Kind.BATCH_ERROR, state["steps"], wire.encode({"message": text}))
+            raise BatchError(text) from e
+        channel.send_encoded(Kind.DATA, state["steps"], plan)
+        return dict(state)
+    header, payload = channel.recv(settings.config.max_batch_bytes)
+    leader_state = wire.unpack(payload, header.meta_nbytes)
+    if header.kind != Kind.DATA:
+        raise error_of(header.kind, str(leader_state.get("message")))
+    if leader_state["steps"] != state["steps"] or leader_state["epoch"] != state["epoch"]:
+        raise RuntimeError(
+            f"rank {place.rank} asked for the loader state at epoch {state['epoch']} step {state['steps']}, "
+            f"but its leader rank {place.leader} at epoch {leader_state['epoch']} step "
+            f"{leader_state['steps']}: call state_dict() on every rank after the same step"
+        )
+    return leader_state
