@@ -2,9 +2,9 @@
 
 import sys
 
-from collective_loader import demo
+from collective_loader.cli.main import main as demo
 
-COMMANDS = {"demo": demo.main}
+COMMANDS = {"demo": demo}
 
 
 def main(argv: list[str]) -> int:

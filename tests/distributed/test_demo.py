@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from collective_loader.demo import parse_mesh, verdicts
+from collective_loader.cli.args import parse_mesh
+from collective_loader.cli.report import verdicts
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
 from collective_loader.testing import invariants

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import test_demo
 
-from collective_loader.demo import parse_mesh
+from collective_loader.cli.args import parse_mesh
 from collective_loader.plan.mesh import MeshLayout
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,17 +1,27 @@
 """``python -m collective_loader demo --data DIR`` on LLM data as LLM Foundry writes it: a text column
 with a tokenizer path, token bytes with their dtype; the checks pass on the packed rows and the
-packing figures are printed. A text column without a tokenizer is refused before any rank starts."""
+packing figures are printed. A text column without a tokenizer is refused before any rank starts
+(test_demo_errors.py has every refusal)."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from collective_loader.testing.data import text_documents, train_tokenizer, write_text_documents, write_token_documents
+from collective_loader.testing.data import (
+    BOS,
+    EOS,
+    text_documents,
+    train_tokenizer,
+    write_text_documents,
+    write_token_documents,
+)
 
 FIGURES = re.compile(
     r"replica (\d): (\d+) documents, (\d+) rows, (\d+) tokens, (\d+) carried over into a next row, "
@@ -27,9 +37,11 @@ def llm_data(tmp_path_factory):
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 50000, size=int(n)) for n in rng.integers(1, 90, size=120)]
     write_token_documents(str(root / "bytes"), docs, "bytes", "uint16")
+    os.makedirs(root / "plain")  # a tokenizer.json alone: its BOS / EOS come from the demo's flags
+    shutil.copy(os.path.join(train_tokenizer(texts, str(root / "tok")), "tokenizer.json"), root / "plain")
     return {
         "text": str(root / "text"),
-        "tokenizer": train_tokenizer(texts, str(root / "tok")),
+        "tokenizer": str(root / "plain" / "tokenizer.json"),
         "bytes": str(root / "bytes"),
     }
 
@@ -41,8 +53,10 @@ def demo(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_demo_packs_a_text_column_with_a_tokenizer(llm_data):
+    """A tokenizer.json with nothing beside it to name BOS / EOS: --bos-token and --eos-token do."""
     proc = demo(
-        "--data", llm_data["text"], "--tokenizer", llm_data["tokenizer"], "--mesh", "pp=2,dp=2", "--seq-len", "32"
+        *("--data", llm_data["text"], "--tokenizer", llm_data["tokenizer"], "--bos-token", BOS, "--eos-token", EOS),
+        *("--mesh", "pp=2,dp=2", "--seq-len", "32"),
     )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
@@ -72,5 +86,5 @@ def test_demo_packs_token_bytes_of_a_dtype_over_cp(llm_data):
 
 def test_demo_refuses_text_without_a_tokenizer(llm_data):
     proc = demo("--data", llm_data["text"], "--mesh", "dp=2")
-    assert proc.returncode == 2
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert "holds a text column: give --tokenizer PATH" in proc.stderr, proc.stderr

@@ -24,7 +24,7 @@ from s3_bucket import S3_BUCKET, s3_shards
 from torch.distributed.device_mesh import init_device_mesh
 
 from collective_loader import CollectiveLoader
-from collective_loader.demo import parse_mesh
+from collective_loader.cli.args import parse_mesh
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
 from collective_loader.streaming import StreamingSource

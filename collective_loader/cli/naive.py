@@ -1,0 +1,43 @@
+"""The naive set-up of streaming#827 on the demo's mesh and data: every rank builds its own
+StreamingDataset with ``replication = tp * cp``; the report sets its steps beside ours."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from collective_loader.cli.args import SHUFFLE_SEED, DemoArgs
+from collective_loader.plan.mesh import MeshLayout
+from collective_loader.streaming import leaders_world, lm_collate, release
+
+
+def replication(layout: MeshLayout) -> int:
+    """Streaming's ``replication`` for ``layout``: the ranks of a replica that need the same
+    samples (its replicate and shard dims)."""
+    return math.prod(s for s, r in zip(layout.shape, layout.roles) if r in ("replicate", "shard"))
+
+
+def naive_ids(
+    a: DemoArgs, layout: MeshLayout, group: dist.ProcessGroup, failed: Callable[[int, str], Exception]
+) -> list[list[int]]:
+    """The sample ids of each step this rank gets when it builds its own StreamingDataset.
+
+    Streaming's barriers (and ours) run as agreements over ``group``: a rank that fails here
+    makes the others raise ``failed(rank, text)`` at their next barrier."""
+    from streaming import StreamingDataset
+
+    with leaders_world({}, group, failed):
+        dataset = StreamingDataset(
+            **a.stream_from("naive"),
+            batch_size=a.batch_size,
+            shuffle=True,
+            shuffle_seed=SHUFFLE_SEED,
+            replication=replication(layout),
+        )
+        ids = [b["sample_id"].tolist() for b in DataLoader(dataset, batch_size=a.batch_size, collate_fn=lm_collate)]
+        dist.barrier()  # every rank of the node is done with the blocks before they go
+    release(dataset)
+    return ids

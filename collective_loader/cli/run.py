@@ -1,0 +1,187 @@
+"""One rank of the demo: build the mesh, stream one epoch of a StreamingDataset through
+:class:`StreamingSource` + ``CollectiveLoader`` (on LLM data, rows the leaders pack, numbered),
+then the naive run, the gathering of every rank's record, and rank 0's report, each phase ending
+in an agreement so that a rank failing in one ends the demo on every rank at once."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from collective_loader.cli.args import RUNS, SHUFFLE_SEED, DemoArgs
+from collective_loader.cli.naive import naive_ids
+from collective_loader.cli.report import report
+from collective_loader.delivery.agreement import run_phase
+from collective_loader.delivery.transport import new_group
+from collective_loader.loader import CollectiveLoader
+from collective_loader.plan.mesh import MeshLayout
+from collective_loader.plan.routing import Routing
+from collective_loader.streaming import StreamingSource
+from collective_loader.testing import invariants
+from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, write_dataset
+from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE
+from collective_loader.text import Packing
+
+
+def rank_main(a: DemoArgs) -> int:
+    """The demo on this rank (``launch.run`` calls it on every one); its exit code, rank 0's verdict."""
+    if not a.data:  # under torchrun: one copy of the dataset per node, written by local rank 0
+        out = os.path.join(
+            tempfile.gettempdir(), f"collective_loader_demo_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+        )
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            shutil.rmtree(out, ignore_errors=True)
+            write_dataset(out, a.samples, a.seq_len)
+        dist.barrier()
+        try:
+            return rank_main(replace(a, data=out))
+        finally:
+            dist.barrier()
+            if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+                shutil.rmtree(out, ignore_errors=True)
+    show_library_log()
+    mesh = init_device_mesh("cpu", a.shape, mesh_dim_names=a.dims)
+    me = dist.get_rank()
+    # the demo's own exchanges after the epoch; each phase ends in an agreement over this group,
+    # so a rank that fails there ends the demo on every rank at once (see after_epoch)
+    group = new_group(range(dist.get_world_size()), "gloo", a.timeout, "collective_loader:demo")
+    assert group is not None
+    # the endpoint counts requests by this name; streaming's S3 client, made lazily per dataset
+    # (and in each DataLoader worker), reads it when it is created
+    os.environ[APP_ID_VARIABLE] = f"{RUNS['collective_loader']}{me}"
+    start = time.perf_counter()
+    source = StreamingSource(
+        mesh,
+        **a.stream_from("collective_loader"),
+        batch_size=a.batch_size,
+        shuffle=True,
+        shuffle_seed=SHUFFLE_SEED,
+        num_workers=a.num_workers,
+        clean_stale=True,
+        placement=a.placement,
+        layout=a.layout,
+        packing=None if a.layout is None else Packing(a.seq_len, a.at_end),
+    )
+    loader = CollectiveLoader(
+        source if a.layout is None else functools.partial(NumberedRows.of, source),
+        mesh,
+        inputs=INPUTS,
+        labels=LABELS,
+        seq_dims=SEQ_DIMS,
+        split=a.split,
+        delivery=a.delivery,
+        placement=a.placement,
+    )
+    steps = []
+    for batch in loader:
+        steps.append(batch)
+        if me == 0 and len(steps) % 8 == 0:
+            print(f"  step {len(steps)}: {time.perf_counter() - start:.1f}s", flush=True)
+    seconds = time.perf_counter() - start
+    try:
+        ours = run_phase(group, functools.partial(finish, loader, steps, seconds), failed("closing the loader"))
+        layout, routing, dp_size = loader.mesh_layout, loader.routing, loader.dp_size
+        del loader, source  # frees the leaders' dataset: on local data the naive run reuses its directory
+        gc.collect()
+        return after_epoch(a, group, layout, routing, dp_size, ours)
+    except DemoError as e:
+        if e.__cause__ is not None:  # this rank failed: its own traceback, then the verdict every rank prints
+            traceback.print_exception(e.__cause__)
+        print(f"rank {me}: {e}", file=sys.stderr)
+        return 1
+
+
+class DemoError(RuntimeError):
+    """A rank failed after the epoch (closing, naive run, gathering, report); raised on every rank."""
+
+
+def failed(phase: str) -> Callable[[int, str], Exception]:
+    """What every rank raises when ``rank`` failed in ``phase`` with ``text``."""
+    return lambda rank, text: DemoError(f"rank {rank} failed in {phase}: {text}")
+
+
+def finish(loader: CollectiveLoader, steps: list[Any], seconds: float) -> tuple[Any, ...]:
+    """Close the loader; this rank's record of the epoch, where it sits, and what it moved (and, on
+    a packing leader, the batches it made and its packing figures)."""
+    stats = loader.stats()
+    made = loader.source if isinstance(loader.source, NumberedRows) else None
+    loader.close()
+    place = loader.place
+    record = invariants.RankRecord(place.rank, place.dp_rank, place.stage, place.shard, steps)
+    packed = (made.made, made.stream.packing_stats()) if made is not None else None
+    return record, place.coords, place.is_leader, stats, seconds, packed
+
+
+class NumberedRows:
+    """A packing leader's stream with each row numbered in a ``sample_id`` key (``dp_rank * 10**6
+    + row``), and every batch it made kept, so the checks can rebuild what each rank must hold."""
+
+    def __init__(self, stream: Any, dp_rank: int) -> None:
+        self.stream, self.dp_rank = stream, dp_rank
+        self.made: dict[tuple[int, ...], dict[str, Any]] = {}
+
+    @classmethod
+    def of(cls, source: StreamingSource) -> NumberedRows:
+        """The leader's stream of ``source``, numbered (``CollectiveLoader`` calls it on leaders)."""
+        return cls(source(), source.place.dp_rank)
+
+    def __iter__(self) -> Any:
+        row = self.dp_rank * 10**6
+        for batch in self.stream:
+            n = len(batch["input_ids"])
+            batch["sample_id"] = torch.arange(row, row + n)
+            row += n
+            self.made[tuple(batch["sample_id"].tolist())] = batch
+            yield batch
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def after_epoch(
+    a: DemoArgs, group: dist.ProcessGroup, layout: MeshLayout, routing: Routing, dp_size: int, ours: tuple[Any, ...]
+) -> int:
+    """The naive run, the gathering of every rank's records and rank 0's report, each phase ending
+    in an agreement over ``group``: when any rank fails in one, every rank raises
+    :class:`DemoError` naming it, instead of leaving the others waiting for it (on one node and
+    on several). Returns the report's exit code on every rank."""
+    me = dist.get_rank()
+    os.environ[APP_ID_VARIABLE] = f"{RUNS['naive']}{me}"
+    naive = naive_ids(a, layout, group, failed("the naive run")) if a.layout is None else []
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (ours, naive), group=group)  # the demo's bookkeeping, not the data path
+    code = run_phase(
+        group,
+        lambda: (
+            report(a, layout, routing, dp_size, [g[0] for g in gathered], [g[1] for g in gathered]) if me == 0 else 0
+        ),
+        failed("the report"),
+    )
+    verdict = torch.tensor([code])
+    dist.broadcast(verdict, src=0, group=group)  # rank 0's verdict is every rank's exit code
+    return int(verdict)
+
+
+def show_library_log() -> None:
+    """Print the library's INFO lines (what each loader decided) on this rank's stdout."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter("  [rank %(rank)s] %(message)s", defaults={"rank": os.environ.get("RANK", "?")})
+    )
+    library = logging.getLogger("collective_loader")
+    library.addHandler(handler)
+    library.setLevel(logging.INFO)
