@@ -9,7 +9,7 @@ in place of ``-m torchtitan.train``, every flag unchanged::
         --parallelism.pipeline_parallel_degree 2 --training.steps 4
 
 It makes the changes below, each needed only because there is no accelerator, and then runs
-``torchtitan.train.main()`` unchanged. None is needed on GPUs; none changes what is trained on.
+``torchtitan.train.main()`` unchanged. None is needed on GPUs, and none touches the data.
 
 - ``torchtitan.tools.utils.device_type = "cpu"`` and a ``device_module`` stand-in
   (:class:`CpuDevice`), set before any other torchtitan module is imported (several copy them at
