@@ -2,7 +2,8 @@
 
 A source that runs on the leaders alone (a ``StreamingSource``) needs a few collectives among
 them: the agreements of its construction, gathering their packing states into one checkpoint,
-and waiting for each other before shared files are released. They go through a
+balancing packed rows over the replicas (:mod:`collective_loader.streaming.balancing`), and
+waiting for each other before shared files are released. They go through a
 :class:`LeaderGroup`, built by every rank (group creation is collective over the world).
 """
 
@@ -12,6 +13,7 @@ import datetime
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from collective_loader.delivery.transport import new_group
@@ -44,6 +46,16 @@ class LeaderGroup:
             return [value]
         out: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def exchange(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
+        """Every leader sends ``send_counts[j]`` elements of ``send`` (1-D, in leader order) to
+        leader ``j`` and receives ``recv_counts[j]`` from it (one all-to-all); returns what it
+        received, in leader order."""
+        if self.group is None:
+            return send
+        out = torch.empty(sum(recv_counts), dtype=send.dtype)
+        dist.all_to_all_single(out, send, list(recv_counts), list(send_counts), group=self.group)
         return out
 
     def wait_for_all(self, seconds: float) -> str | None:

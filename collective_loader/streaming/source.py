@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader
 from collective_loader.delivery.leaders import LeaderGroup
 from collective_loader.delivery.workers import stop_dataloader_workers, stop_workers
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement
+from collective_loader.streaming.balancing import BalancedRows
 from collective_loader.streaming.cleanup import release, remove_stale
 from collective_loader.streaming.leaders import leader_env, leaders_barrier, leaders_world
 from collective_loader.text.collate import lm_collate
@@ -121,6 +122,10 @@ class StreamingSource:
         # would wait for them in a group creation until killed)
         self._env = leader_env(leaders, self.place.dp_rank, local_world_size)
         self._leaders = LeaderGroup.build(leaders, timeout, "streaming_leaders")
+        # balancing runs on the transfer thread: a group of its own, apart from gather_state's
+        self._balance = (
+            LeaderGroup.build(leaders, timeout, "balance") if packing is not None and packing.balance else None
+        )
         self.batch_size = batch_size
         self.packing = packing
         self.layout = layout
@@ -164,12 +169,16 @@ class StreamingSource:
         if self.packing is None:
             return LeaderStream(dataset, loader, global_batch, self._leaders)
         world = (int(self._env["WORLD_SIZE"]), int(self._env["LOCAL_WORLD_SIZE"]))
+        balanced = None
+        if self._balance is not None:
+            balanced = BalancedRows(self.packing, self.batch_size, self.place.dp_rank, self._balance)
         return LeaderStream(
             dataset,
             loader,
             global_batch,
             self._leaders,
             PackedRows(self.packing, self.batch_size, self.place.dp_rank, world),
+            balanced,
         )
 
 
@@ -216,11 +225,13 @@ class LeaderStream:
         global_batch: int,
         leaders: LeaderGroup,
         rows: PackedRows | None = None,
+        balanced: BalancedRows | None = None,
     ) -> None:
         self.dataset: Any = dataset
         self.loader: DataLoader | None = loader
         self.global_batch = global_batch
         self.rows = rows
+        self.balanced = balanced
         self._leaders = leaders
         self._taken = 0
         self._epoch_state: dict[str, Any] | None = None
@@ -231,6 +242,9 @@ class LeaderStream:
         self._taken, self._epoch_state = 0, None
         batches = self._batches = iter(self.loader)
         try:
+            if self.rows is not None and self.balanced is not None:
+                yield from self.balanced.batches(self.rows.row_lists(batches, self._first_step))
+                return
             if self.rows is not None:
                 yield from self.rows.rows(batches, self._first_step)
                 return
@@ -317,12 +331,24 @@ class LeaderStream:
             self.rows.resume(np.asarray(packed["entries"], dtype=np.int64).reshape(-1, 4), packed["world"])
         self.dataset.load_state_dict({k: v for k, v in state.items() if k not in ("global_batch", "packing")})
 
-    def packing_stats(self) -> dict[str, int]:
+    def packing_stats(self) -> dict[str, float]:
         """This leader's packing in the current (or last) epoch: ``documents`` taken, ``rows``
-        delivered (padding rows included), ``tokens`` of documents in them, ``carried`` (tokens of a
+        packed (padding rows included), ``tokens`` of documents in them, ``carried`` (tokens of a
         document begun in an earlier row), ``padding`` (token slots of padding), ``dropped``
-        (tokens of the last partial rows and batch with ``at_end="drop"``). Empty without packing."""
-        return dict(self.rows.stats) if self.rows is not None else {}
+        (tokens of the last partial rows and batch with ``at_end="drop"``). With
+        ``Packing(balance=...)`` also ``balanced_steps`` and, averaged over them, the replicas'
+        cost max/mean as the leaders packed the rows (``cost_max_over_mean_packed``) and as they
+        were placed (``cost_max_over_mean``). Empty without packing."""
+        if self.rows is None:
+            return {}
+        out: dict[str, float] = dict(self.rows.stats)
+        if self.balanced is not None:
+            figures = self.balanced.stats
+            steps = int(figures["steps"])
+            out["balanced_steps"] = steps
+            out["cost_max_over_mean_packed"] = figures["cost_ratio_packed"] / steps if steps else 1.0
+            out["cost_max_over_mean"] = figures["cost_ratio_placed"] / steps if steps else 1.0
+        return out
 
     def close(self) -> None:
         """Release the dataset's shared memory and lock files now rather than at interpreter exit.

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from collective_loader.plan.documents import IGNORE_INDEX
+from collective_loader.text.balance import Balance
 
 PAD_ID = 0  # input_ids of padding (its labels are ignored and its own segment keeps it apart)
 BOUNDARIES = ("position_ids", "cu_seqlens", "max_seqlen", "sequence_id")
@@ -53,11 +54,15 @@ class Packing:
             labels :data:`IGNORE_INDEX`, and rows of padding filling the batch) or ``"drop"``
             (every delivered label is a real token; those tokens are not trained this epoch).
         boundaries: the per-row document boundaries to add, any of :data:`BOUNDARIES`.
+        balance: a :class:`~collective_loader.text.balance.Balance` to place each step's rows
+            over the data-parallel replicas by attention cost (a packing ``StreamingSource``'s
+            leaders do it together), or ``None``: each leader delivers the rows it packed.
     """
 
     seq_len: int
     at_end: AtEnd = "pad"
     boundaries: tuple[str, ...] = ("position_ids",)
+    balance: Balance | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
@@ -69,6 +74,8 @@ class Packing:
         if unknown:
             raise ValueError(f"Packing(boundaries=...): {unknown} unknown; choose from {BOUNDARIES}")
         object.__setattr__(self, "boundaries", boundaries)
+        if self.balance is not None and not isinstance(self.balance, Balance):
+            raise TypeError(f"Packing(balance=...) must be a Balance or None, got {type(self.balance).__qualname__}")
 
 
 @dataclass

@@ -69,6 +69,11 @@ class PackedRows:
     ) -> Iterator[dict[str, torch.Tensor]]:
         """One epoch: batches of ``batch_rows`` rows packed from ``batches``, sample-batch ``k`` of
         which is step ``first_step() + k`` (asked once the first has arrived)."""
+        for rows in self.row_lists(batches, first_step):
+            yield batch_of(rows, self.packing, self.batch_rows)
+
+    def row_lists(self, batches: Iterator[TokenizedBatch], first_step: Callable[[], int]) -> Iterator[list[Row]]:
+        """:meth:`rows` before they become tensors: each step's rows (at most ``batch_rows``)."""
         self.iteration += 1
         skips, self._skips = self._skips, None
         if skips is None:
@@ -105,13 +110,13 @@ class PackedRows:
             self.stats["dropped"] = sum(len(r.tokens) for r in rows) + (len(last.tokens) if last is not None else 0)
         self._count(self._packer.stats)
 
-    def _batch(self, rows: list[Row]) -> dict[str, torch.Tensor]:
+    def _batch(self, rows: list[Row]) -> list[Row]:
         tokens = sum(len(r.tokens) for r in rows)
         self.stats["rows"] += self.batch_rows
         self.stats["tokens"] += tokens
         self.stats["padding"] += self.batch_rows * (self.packing.seq_len + 1) - tokens
         self._count(self._packer.stats)
-        return batch_of(rows, self.packing, self.batch_rows)
+        return rows
 
     def _count(self, packer: Stats) -> None:
         if packer.documents:

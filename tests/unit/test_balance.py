@@ -1,0 +1,123 @@
+"""Placing a step's packed rows over the replicas by cost (``text.balance.place``): pure checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from collective_loader.text import Packing
+from collective_loader.text.balance import Balance, place, replica_costs, row_cost
+
+FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def packed_rows(rng: np.random.Generator, leaders: int, batch_rows: int, capacity: int, full: bool) -> list:
+    """Each leader's rows as a packer cuts them: pieces of random documents filling each row."""
+    out = []
+    for _ in range(leaders):
+        rows = []
+        for r in range(batch_rows):
+            room = capacity if full or r < batch_rows - 1 else int(rng.integers(1, capacity + 1))
+            pieces = []
+            while room:
+                n = min(room, int(rng.choice([rng.integers(1, 4), rng.integers(1, capacity + 1)])))
+                pieces.append(n)
+                room -= n
+            rows.append(pieces)
+        out.append(rows)
+    return out
+
+
+def lengths(placed):
+    return [[[p.length for p in row] for row in replica] for replica in placed]
+
+
+@FAST
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    leaders=st.integers(1, 8),
+    batch_rows=st.integers(1, 4),
+    capacity=st.integers(1, 40),
+    full=st.booleans(),
+    c=st.sampled_from([0.0, 3.0]),
+)
+def test_every_token_is_placed_once_in_rows_that_hold_it(seed, leaders, batch_rows, capacity, full, c):
+    rows = packed_rows(np.random.default_rng(seed), leaders, batch_rows, capacity, full)
+    placed = place(rows, batch_rows, capacity, c)
+    assert len(placed) == leaders and all(len(replica) == batch_rows for replica in placed)
+    covered = {(j, r): np.zeros(sum(row), int) for j, leader in enumerate(rows) for r, row in enumerate(leader)}
+    for replica in placed:
+        for row in replica:
+            assert sum(p.length for p in row) <= capacity
+            for p in row:
+                covered[p.leader, p.row][p.start : p.start + p.length] += 1
+    assert all((hits == 1).all() for hits in covered.values())
+    if full:  # every row stays full: shapes and token counts per replica as without balancing
+        assert all(sum(lengths_) == capacity for replica in lengths(placed) for lengths_ in replica)
+    # never worse than the rows as packed, and the same on every call
+    assert max(replica_costs(lengths(placed), c)) <= max(replica_costs(rows, c))
+    assert place(rows, batch_rows, capacity, c) == placed
+
+
+def test_long_and_short_documents_even_out():
+    """Two leaders, one packed with whole-row documents, one with short ones: the costly pieces
+    are shared out, and max/mean falls from 1.41 to under 1.03."""
+    rows = [[[9], [9]], [[3, 3, 3], [5, 4]]]
+    before = replica_costs(rows, 0)
+    after = replica_costs(lengths(place(rows, 2, 9)), 0)
+    assert max(before) / np.mean(before) > 1.4
+    assert max(after) / np.mean(after) < 1.03
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_long_tail_step_over_eight_replicas_is_balanced_or_held_by_one_piece(seed):
+    """Log-normal documents (median ~1k, up to the row) cut into rows of 32k as a packer does, one
+    step of 8 replicas x 2 rows: within 5% of the mean cost, or else the most costly replica is the
+    one holding the step's longest piece (which alone may cost more than the mean: documents are
+    not cut further than the packer cut them, except to fill a row's room)."""
+    rng = np.random.default_rng(seed)
+    capacity, replicas, batch_rows = 32768, 8, 2
+    docs = iter(np.minimum(rng.lognormal(np.log(1000), 1.2, 10_000).astype(int) + 1, capacity).tolist())
+    rows, pending = [], 0
+    for _ in range(replicas):
+        leader = []
+        for _ in range(batch_rows):
+            room, pieces = capacity, []
+            while room:
+                n = pending or next(docs)
+                k = min(n, room)
+                pieces.append(k)
+                room, pending = room - k, n - k
+            leader.append(pieces)
+        rows.append(leader)
+    placed = lengths(place(rows, batch_rows, capacity))
+    after, before = replica_costs(placed, 0), replica_costs(rows, 0)
+    assert max(after) < max(before)
+    longest = max(n for leader in rows for row in leader for n in row)
+    costliest = int(np.argmax(after))
+    assert max(after) / np.mean(after) <= 1.05 or longest in [n for row in placed[costliest] for n in row]
+
+
+def test_row_cost_is_squares_plus_c_times_tokens():
+    assert row_cost([4, 2], 0.0) == 20.0 and row_cost([4, 2], 10.0) == 80.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"linear_cost": -1}, "Balance\\(linear_cost=...\\) must be a number >= 0"),
+        ({"linear_cost": True}, "Balance\\(linear_cost=...\\) must be a number >= 0"),
+        ({"valid_tokens": ""}, "Balance\\(valid_tokens=...\\) must be a key"),
+    ],
+)
+def test_a_bad_balance_option_is_refused_naming_it(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        Balance(**kwargs)
+
+
+def test_packing_takes_only_a_balance():
+    with pytest.raises(TypeError, match="Packing\\(balance=...\\) must be a Balance"):
+        Packing(8, balance=True)  # type: ignore[arg-type]
+    assert Packing(8, balance=Balance()).balance == Balance()
