@@ -51,6 +51,12 @@ class DemoArgs:
         return {"remote": self.remote, "local": os.path.join(self.data, run)}
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of what ``e`` says (its type's name when it says nothing): for a one-line error."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def say_once(message: str) -> int:
     """Print ``message`` as the demo's one error line (under torchrun on rank 0 only, not once
     per rank); the exit code of a usage error, 2."""

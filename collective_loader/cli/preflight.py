@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from collective_loader.cli.args import DemoArgs, UsageError, parse_mesh
+from collective_loader.cli.args import DemoArgs, UsageError, first_line, parse_mesh
 from collective_loader.plan import sharding
 from collective_loader.plan.mesh import DEFAULT_ROLES, MeshLayout
 from collective_loader.plan.sharding import Split
@@ -171,7 +171,7 @@ def first_samples(path: str, n: int = SNIFFED) -> list[dict[str, Any]]:
         dataset = LocalDataset(path)
         return [dataset[i] for i in range(min(n, len(dataset)))]
     except (OSError, ValueError, KeyError) as e:
-        raise UsageError(f"--data {path}: its shards cannot be read ({type(e).__name__}: {_line(e)})") from None
+        raise UsageError(f"--data {path}: its shards cannot be read ({type(e).__name__}: {first_line(e)})") from None
 
 
 # --- LLM data: the tokenizer, the token bytes' type ------------------------------------------------
@@ -188,7 +188,7 @@ def check_tokenizer(layout: TextColumn, samples: Sequence[Mapping[str, Any]]) ->
             f"--tokenizer {path}: no tokenizer.json there; give one, or the directory holding it"
         ) from None
     except Exception as e:  # the tokenizers package raises plain Exceptions for a file it cannot parse
-        raise UsageError(f"--tokenizer {path}: the tokenizers package cannot read it ({_line(e)})") from None
+        raise UsageError(f"--tokenizer {path}: the tokenizers package cannot read it ({first_line(e)})") from None
     found, give = [], []
     for which, token in (("bos", layout.bos_token), ("eos", layout.eos_token)):
         alone = replace(layout, add_bos=which == "bos", add_eos=which == "eos")
@@ -203,7 +203,7 @@ def check_tokenizer(layout: TextColumn, samples: Sequence[Mapping[str, Any]]) ->
     try:
         layout.documents(samples)
     except ValueError as e:
-        raise UsageError(f"--tokenizer {path} on --data: {_line(e)}") from None
+        raise UsageError(f"--tokenizer {path} on --data: {first_line(e)}") from None
 
 
 def _encodes(layout: TextColumn) -> bool:
@@ -224,7 +224,11 @@ def check_token_dtype(path: str, layout: TokenColumn, samples: Sequence[Mapping[
         return
     what = samples[bad][layout.column]
     size = f"{len(what)} bytes" if isinstance(what, (bytes, bytearray, memoryview)) else type(what).__name__
-    found = f"--data {path}: sample {bad}'s {layout.column} ({size}) does not read as {given} token ids"
+    try:
+        read = f"reads as {given} ids up to {layout.read(samples[bad]).max()}, beyond any vocabulary"
+    except ValueError:
+        read = f"does not read as {given} token ids"
+    found = f"--data {path}: sample {bad}'s {layout.column} ({size}) {read}"
     widest_first = sorted(INTEGER_TYPES, key=lambda t: -np.dtype(t).itemsize)  # signed before unsigned
     fit = next((t for t in widest_first if all(_fits(TokenColumn(layout.column, t), s) for s in samples)), None)
     if fit is None:
@@ -243,7 +247,3 @@ def _fits(layout: TokenColumn, sample: Mapping[str, Any]) -> bool:
     except ValueError:
         return False
     return not len(ids) or int(ids.max()) < MAX_VOCAB
-
-
-def _line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

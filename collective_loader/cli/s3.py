@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from dataclasses import replace
 
-from collective_loader.cli.args import RUNS, DemoArgs, UsageError
+from collective_loader.cli.args import RUNS, DemoArgs, UsageError, first_line
 from collective_loader.cli.run import rank_main
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.testing import launch
@@ -32,12 +32,16 @@ def run_remote(a: DemoArgs, timeout: float) -> int:
     try:
         try:
             s3.start()
-            os.environ.update(s3.client_env(), **{APP_ID_VARIABLE: UPLOAD})  # for the upload and for every rank
-            s3.create_bucket(BUCKET)
-        except Exception as e:  # moto's server, werkzeug or botocore: any of them means no endpoint to stream from
-            text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        except Exception as e:  # moto's application or werkzeug's server: either way, nothing to stream from
             raise UsageError(
-                f"--remote: the local S3 endpoint {s3.url} cannot be reached from here ({type(e).__name__}: {text}); "
+                f"--remote: the local S3 endpoint did not start ({type(e).__name__}: {first_line(e)})"
+            ) from None
+        os.environ.update(s3.client_env(), **{APP_ID_VARIABLE: UPLOAD})  # for the upload and for every rank
+        try:
+            s3.create_bucket(BUCKET)
+        except Exception as e:  # botocore's: the endpoint serves, but its clients (this process, the ranks) miss it
+            raise UsageError(
+                f"--remote: the local S3 endpoint {s3.url} cannot be reached from here ({type(e).__name__}: {first_line(e)}); "
                 "check HTTP_PROXY / NO_PROXY for 127.0.0.1"
             ) from None
         remote = f"s3://{BUCKET}/tokens"

@@ -39,7 +39,8 @@ def data(tmp_path_factory):
     rng = np.random.default_rng(0)
     odd = [rng.integers(0, 50000, size=2 * int(n) + 1) for n in rng.integers(0, 40, size=40)]
     write_token_documents(str(root / "int32"), odd, "bytes", "int32")
-    write_token_documents(str(root / "uint16"), [d + 20000 for d in odd], "bytes", "uint16")
+    write_token_documents(str(root / "int32_even"), [np.append(d, 7) for d in odd], "bytes", "int32")
+    write_token_documents(str(root / "uint16"), [d % 30000 + 35000 for d in odd], "bytes", "uint16")
     write_dataset(str(root / "own"), 16, 8)
     from streaming import MDSWriter
 
@@ -48,7 +49,9 @@ def data(tmp_path_factory):
     os.makedirs(root / "empty")
     (root / "notjson").mkdir()
     (root / "notjson" / "index.json").write_text("{")
-    return {k: str(root / k) for k in ("text", "tok", "plain", "int32", "uint16", "own", "labels", "empty", "notjson")}
+    (root / "notjson" / "tokenizer.json").write_text("{}")
+    names = ("text", "tok", "plain", "int32", "int32_even", "uint16", "own", "labels", "empty", "notjson")
+    return {k: str(root / k) for k in names}
 
 
 def refused(*args: str, env: dict[str, str] | None = None) -> str:
@@ -95,6 +98,12 @@ def test_text_without_a_tokenizer(data):
 def test_a_tokenizer_path_with_no_tokenizer(data):
     message = refused("--data", data["text"], "--tokenizer", data["empty"])
     assert message == f"--tokenizer {data['empty']}: no tokenizer.json there; give one, or the directory holding it"
+
+
+def test_a_tokenizer_json_the_tokenizers_package_cannot_read(data):
+    bad = os.path.join(data["notjson"], "tokenizer.json")
+    message = refused("--data", data["text"], "--tokenizer", bad)
+    assert message.startswith(f"--tokenizer {bad}: the tokenizers package cannot read it ("), message
 
 
 def test_a_tokenizer_json_alone_names_no_bos_or_eos(data):
@@ -144,8 +153,19 @@ def test_token_bytes_of_int32_without_token_dtype(data):
     ), message
 
 
+def test_token_bytes_of_int32_that_read_as_int64_beyond_any_vocabulary(data):
+    """Even lengths: the bytes read as int64 without an error, two ids in each, the library
+    accepts them; no vocabulary holds such ids."""
+    message = refused("--data", data["int32_even"], "--mesh", "dp=2")
+    assert re.fullmatch(
+        rf"--data {data['int32_even']}: sample 0's tokens \(\d+ bytes\) reads as int64 ids up to \d+, beyond any "
+        r"vocabulary; the first 40 samples read as int32 \(ids \d+ to \d+\): give --token-dtype int32",
+        message,
+    ), message
+
+
 def test_token_bytes_of_uint16_given_a_type_that_does_not_fit(data):
-    """Ids of 20000-70000 as uint16, read as int16: negative ids, which the library refuses."""
+    """Ids of 35000-64999 as uint16, read as int16: negative ids, which the library refuses."""
     message = refused("--data", data["uint16"], "--token-dtype", "int16")
     assert re.fullmatch(
         rf"--data {data['uint16']}: sample \d+'s tokens \(\d+ bytes\) does not read as int16 token ids; "
