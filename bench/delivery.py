@@ -270,7 +270,7 @@ def profile_step(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, pool:
     receivers receive into a reused buffer (the wait includes the leader's pack), decode the
     header and unpack."""
     t0 = time.perf_counter()
-    plan = wire.plan(batch)
+    plan = wire.encode(batch)
     nbytes = wire.HEADER_BYTES + plan.nbytes
     buf = pool.take(nbytes)
     if dist.get_rank() == LEADER:
@@ -324,7 +324,7 @@ def delivery_case(s: Settings, mesh: Any, group: dist.ProcessGroup, nbytes: int,
         "payload": nbytes,
         "n_tensors": n_tensors,
         "tensor_bytes": tensor_bytes(batch),
-        "wire_bytes": wire.plan(batch).nbytes,
+        "wire_bytes": wire.encode(batch).nbytes,
         "steps": n,
         "stats": stats,
         "rounds": in_rounds(runs, s.rounds),
@@ -761,7 +761,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
         "## Where a step's time goes",
         "",
         (
-            "One synchronous steady-state step rebuilt in the benchmark from the package's pieces (`wire.plan`, "
+            "One synchronous steady-state step rebuilt in the benchmark from the package's pieces (`wire.encode`, "
             "`wire.write_message` into a `BufferPool` buffer, `Header.decode`, `wire.unpack`) and one "
             "`dist.broadcast` over the raw group, timed by phase with `time.perf_counter` (p50 ms, median over rounds, run in "
             "the same rotation as the variants above). *rebuilt step* is the slowest rank's whole step; the last "
