@@ -49,7 +49,7 @@ from collective_loader.integrations.titan_wrap import with_mesh, wrap_dataloader
 from collective_loader.streaming import StreamingSource, lm_collate
 from collective_loader.streaming.source import LeaderStream
 from collective_loader.text import Packing, TextColumn, TokenColumn
-from collective_loader.text.layouts import INTEGER_TYPES, Layout
+from collective_loader.text.layouts import INTEGER_TYPES, ColumnLayout
 
 __all__ = [
     "DATA_MESH",
@@ -101,7 +101,7 @@ def titan_inputs(input_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
     return {PACKED_KEYS.get(key, key): value for key, value in input_dict.items()}
 
 
-def check_columns(layout: Layout, columns: Mapping[str, str]) -> None:
+def check_columns(layout: ColumnLayout, columns: Mapping[str, str]) -> None:
     """Refuse a dataset whose columns (name -> MDS encoding) ``layout`` cannot read, naming the
     ``--dataloader`` flag to change. Run on the leaders once the dataset is built.
 
@@ -288,7 +288,9 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
                 return
 
 
-def read_as(config: TitanStreamingDataLoader.Config, tokenizer: Any, seq_len: int) -> tuple[Layout, Packing | None]:
+def read_as(
+    config: TitanStreamingDataLoader.Config, tokenizer: Any, seq_len: int
+) -> tuple[ColumnLayout, Packing | None]:
     """How the leaders read the dataset of ``config``: its layout, and the packing when documents
     are packed. Options that do not fit together raise ``ValueError`` naming the flag to change
     (on every rank: the Trainer builds the dataloader on every rank).
@@ -303,7 +305,7 @@ def read_as(config: TitanStreamingDataLoader.Config, tokenizer: Any, seq_len: in
             f"--dataloader.token_dtype {config.token_dtype}: token ids are integers; give one of "
             f"{', '.join(INTEGER_TYPES)} (the token_encoding_type they were written with)"
         )
-    layout: Layout
+    layout: ColumnLayout
     if config.text:
         if config.token_dtype is not None:
             raise ValueError(
