@@ -29,6 +29,7 @@ from collective_loader.errors import (
     WireError,
 )
 from collective_loader.loader import CollectiveLoader
+from collective_loader.plan.balanced import BalancedDocuments
 from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.mesh import MeshLayout, Place, mesh_place
 
@@ -36,6 +37,7 @@ from collective_loader.plan.mesh import MeshLayout, Place, mesh_place
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
+    "BalancedDocuments",
     "BatchError",
     "CollectiveLoader",
     "CollectiveLoaderError",

@@ -33,7 +33,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -107,16 +107,19 @@ class PerDocument:
     positions: str | None = None
     pad_values: Mapping[str, int | float] = field(default_factory=lambda: {"labels": IGNORE_INDEX})
 
+    metadata: ClassVar[tuple[str, ...]] = METADATA  # the keys piece() adds (a subclass adds its own)
+
     def __post_init__(self) -> None:
+        name = type(self).__name__
         if self.cu_seqlens is None and self.positions is None:
-            raise ValueError("PerDocument needs the key that marks the documents: cu_seqlens=KEY or positions=KEY")
-        for name in ("cu_seqlens", "positions"):
-            key = getattr(self, name)
+            raise ValueError(f"{name} needs the key that marks the documents: cu_seqlens=KEY or positions=KEY")
+        for option in ("cu_seqlens", "positions"):
+            key = getattr(self, option)
             if key is not None and not isinstance(key, str):
-                raise TypeError(f"PerDocument({name}=...) must be a str key, got {key!r}")
+                raise TypeError(f"{name}({option}=...) must be a str key, got {key!r}")
         for key, value in self.pad_values.items():
             if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"PerDocument(pad_values=...) maps str keys to numbers, got {key!r}: {value!r}")
+                raise TypeError(f"{name}(pad_values=...) maps str keys to numbers, got {key!r}: {value!r}")
         # sorted, so that every rank's config text (the loader's agreement) reads the same
         object.__setattr__(self, "pad_values", dict(sorted(self.pad_values.items())))
 
@@ -145,7 +148,7 @@ class PerDocument:
                 f"{me}: seq_dims {other_dims}: the per-document split reads every sequence key as "
                 "(rows, length, ...) and flattens its rows, so each key's sequence dim must be 1"
             )
-        taken = sorted((set(METADATA) & set(keys)) - {self.cu_seqlens})
+        taken = sorted((set(self.metadata) & set(keys)) - {self.cu_seqlens})
         if taken:
             raise ValueError(
                 f"{me}: keys {taken} are what the split computes for every rank; drop them from the batch "

@@ -10,7 +10,9 @@ Pure logic over batches (mappings of str to tensors and plain values); no commun
   replicated. ``split`` says how: ``"zigzag"`` or ``"contiguous"`` cut every row as a whole
   (:mod:`collective_loader.plan.sharding`); a :class:`~collective_loader.plan.documents.PerDocument`
   cuts every packed document on its own and adds each rank's attention metadata
-  (:mod:`collective_loader.plan.documents`).
+  (:mod:`collective_loader.plan.documents`); its subclass
+  :class:`~collective_loader.plan.balanced.BalancedDocuments` gives short documents whole to one
+  rank, by cost, and cuts only the long ones (:mod:`collective_loader.plan.balanced`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 from collective_loader.errors import BatchError
-from collective_loader.plan import documents, sharding
+from collective_loader.plan import sharding
 from collective_loader.plan.documents import PerDocument
 
 SequenceSplit = sharding.Split | PerDocument
@@ -104,7 +106,7 @@ class Routing:
             raise BatchError(f"batch is missing keys {missing} (it has {sorted(map(str, batch))})")
         known = self._stage_keys["both"]
         extra = [k for k in batch if k not in known]
-        computed = [k for k in extra if isinstance(self.split, PerDocument) and k in documents.METADATA]
+        computed = [k for k in extra if isinstance(self.split, PerDocument) and k in self.split.metadata]
         if computed:
             raise BatchError(
                 f"batch has keys {computed}, which the per-document split computes for every rank; drop them in the source"
