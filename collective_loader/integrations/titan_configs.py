@@ -48,7 +48,7 @@ from collective_loader.integrations.titan import TitanDataLoader
 from collective_loader.integrations.titan_wrap import with_mesh, wrap_dataloader
 from collective_loader.streaming import StreamingSource, lm_collate
 from collective_loader.streaming.source import LeaderStream
-from collective_loader.text import Packing, TextColumn, TokenColumn
+from collective_loader.text import Balance, Packing, TextColumn, TokenColumn
 from collective_loader.text.layouts import INTEGER_TYPES, ColumnLayout
 
 __all__ = [
@@ -205,6 +205,10 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
         at_end: Literal["pad", "drop"] = "pad"
         """Packing: the epoch's last partial row and batch are padded (labels -100) or dropped."""
 
+        balance: bool = False
+        """Packing: the leaders place each step's rows over the data-parallel replicas by attention
+        cost (``Packing(balance=Balance())``, docs/text-data.md); a step trains the same tokens."""
+
         documents_per_batch: int | None = None
         """Packing: samples per DataLoader batch on a leader (default: the dataloader's batch, the
         micro-batch under pp). Keep it fixed to keep the rows when the micro-batch changes."""
@@ -297,8 +301,9 @@ def read_as(
 
     >>> read_as(TitanStreamingDataLoader.Config(token_dtype="uint16"), None, seq_len=8)
     (TokenColumn(column='tokens', dtype='uint16'), None)
-    >>> read_as(TitanStreamingDataLoader.Config(pack=True), None, seq_len=8)[1]
-    Packing(seq_len=8, at_end='pad', boundaries=('position_ids',))
+    >>> packing = read_as(TitanStreamingDataLoader.Config(pack=True), None, seq_len=8)[1]
+    >>> packing.seq_len, packing.at_end, packing.boundaries
+    (8, 'pad', ('position_ids',))
     """
     if config.token_dtype is not None and config.token_dtype not in INTEGER_TYPES:
         raise ValueError(
@@ -321,11 +326,11 @@ def read_as(
     else:
         layout = TokenColumn(config.column or "tokens", config.token_dtype)
     if config.text or config.pack:
-        return layout, Packing(seq_len, config.at_end, ("position_ids",))
-    if config.documents_per_batch is not None or config.at_end != "pad":
+        return layout, Packing(seq_len, config.at_end, ("position_ids",), Balance() if config.balance else None)
+    if config.documents_per_batch is not None or config.at_end != "pad" or config.balance:
         raise ValueError(
-            "--dataloader.documents_per_batch and --dataloader.at_end say how documents are packed: add "
-            "--dataloader.pack (token ids of any length) or --dataloader.text, or leave them out"
+            "--dataloader.documents_per_batch, --dataloader.at_end and --dataloader.balance say how documents are "
+            "packed: add --dataloader.pack (token ids of any length) or --dataloader.text, or leave them out"
         )
     return layout, None
 
