@@ -1,7 +1,7 @@
 """What delivery costs the training process per step: CPU and GIL time against a raw broadcast's.
 
-    python bench/step_cost.py                 # the working tree: bench/results/step_cost.{json,md}
-    python bench/step_cost.py --before REV    # REV (a commit) and the working tree, side by side
+    python bench/step_cost.py                 # the package on sys.path: bench/results/step_cost.{json,md}
+    python bench/step_cost.py --before REV    # REV (a commit) and that package, side by side
     python bench/step_cost.py --quick         # a small version: bench/results/step_cost_quick.* (git-ignored)
 
 (Run times: bench/README.md.)
@@ -690,11 +690,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         s = dataclasses.replace(QUICK if args.quick else FULL, out=os.path.join(tmp, "records"))
         paths: dict[str, str | None] = {"after": None}
-        labels = {"after": "working tree"}
+        labels = {"after": os.path.dirname(collective_loader.__file__)}  # the package the ranks inherit
         if args.before:
             os.makedirs(os.path.join(tmp, "before"))
             paths = {"before": export(args.before, os.path.join(tmp, "before")), "after": None}
-            labels = {"before": describe(args.before), "after": "working tree"}
+            labels = {"before": describe(args.before), **labels}
 
         def world(version: str, r: int) -> int:
             with first_on_path(paths[version]):
