@@ -10,7 +10,9 @@ each document, ``cu_seqlens`` (fixed width, filled by repeating the row length),
 every rank, masking only with what it was delivered (document ids and positions; and, as
 TransformerEngine's kernels do, the global ``cu_seqlens`` with the local offsets and the rank's
 chunks); the outputs, reassembled in the original order, must equal causal
-``scaled_dot_product_attention`` on each document alone.
+``scaled_dot_product_attention`` on each document alone. :func:`check_balanced_attention` does the
+same for :class:`BalancedDocuments`: a rank attends over its whole documents with its own keys and
+values alone, and over the split documents with every rank's keys and values of those.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from collective_loader.plan.balanced import BalancedDocuments
 from collective_loader.plan.documents import PerDocument
 
 HEADS, DIM = 2, 4
@@ -75,11 +78,15 @@ def own_chunks(levels: Sequence[tuple[int, int]]) -> list[int]:
     return chunks
 
 
-def te_positions(piece: Mapping[str, Any], levels: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+def te_positions(
+    piece: Mapping[str, Any], levels: Sequence[tuple[int, int]], prefix: str = ""
+) -> tuple[torch.Tensor, ...]:
     """Each own token's (document, position, real) from the THD metadata alone, as TE's kernels
-    find them: the document from the local offsets, the position from the rank's chunks."""
-    local = piece["cu_seqlens_local"].long()
-    real_lengths = piece["cu_seqlens"].long().diff()
+    find them: the document from the local offsets, the position from the rank's chunks. The
+    keys are ``{prefix}cu_seqlens_local`` and ``{prefix}cu_seqlens`` (``split_`` for the split
+    documents of :class:`BalancedDocuments`, whose documents are then numbered among those)."""
+    local = piece[f"{prefix}cu_seqlens_local"].long()
+    real_lengths = piece[f"{prefix}cu_seqlens"].long().diff()
     chunks = torch.tensor(own_chunks(levels))
     j = torch.arange(int(local[-1]))
     doc = torch.searchsorted(local, j, right=True) - 1
@@ -130,6 +137,72 @@ def check_attention(
     docs = split.documents(batch)
     want = per_document_sdpa(batch, docs.lengths.tolist())
     for outs in (by_ids, by_te):
+        torch.testing.assert_close(split.unshard(outs, sizes, docs), want, rtol=1e-9, atol=1e-9)
+    for key in ("labels", "loss_mask"):
+        assert torch.equal(split.unshard([p[key] for p in pieces], sizes, docs).reshape(batch[key].shape), batch[key])
+    assert sum(int((p["labels"] != -100).sum()) for p in pieces) == int((batch["labels"] != -100).sum())
+    assert sum(float(p["loss_mask"].sum()) for p in pieces) == float(batch["loss_mask"].sum())
+
+
+def whole_segments(piece: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each token of a :class:`BalancedDocuments` rank's whole part, from ``whole_cu_seqlens``
+    alone, as a varlen kernel reads it: (segment, position in it), and where the part starts."""
+    start = int(piece["split_cu_seqlens_local"][-1])
+    offsets = piece["whole_cu_seqlens"].long()
+    j = torch.arange(int(offsets[-1]))
+    segment = torch.searchsorted(offsets, j, right=True) - 1
+    return segment, j - offsets[segment], start
+
+
+def check_balanced_attention(
+    pieces: Sequence[Mapping[str, Any]],
+    sizes: Sequence[int],
+    batch: Mapping[str, torch.Tensor],
+    split: BalancedDocuments,
+) -> None:
+    """Assert :class:`BalancedDocuments`' promise on one micro-batch; ``pieces`` as for
+    :func:`check_attention`. Each rank computes, from only what it received plus the split
+    documents' keys and values its peers hold (what ring attention brings): its split part's
+    output by TE's metadata (``split_*`` and its chunks), its whole part's by ``whole_cu_seqlens``
+    over its own keys and values; and, as a second route, every own query by ``document_ids`` /
+    ``document_positions`` against every rank's keys. Both, reassembled, equal per-document SDPA."""
+    ranks = [list(zip(sizes, index)) for index in itertools.product(*(range(s) for s in sizes))]
+    tokens = {p["q"].shape[1] for p in pieces}
+    assert len(tokens) == 1, f"ranks hold different numbers of tokens {tokens}"
+    for key, value in pieces[0].items():  # scatter's equal-size messages: the same shapes everywhere
+        if isinstance(value, torch.Tensor):
+            assert {tuple(p[key].shape) for p in pieces} == {tuple(value.shape)}, key
+        elif key.startswith(("split_", "whole_")):
+            assert {p[key] for p in pieces} == {value}, key
+    starts = [int(p["split_cu_seqlens_local"][-1]) for p in pieces]
+    # the split parts' keys and values, gathered over the ranks, with where TE's kernels place them
+    te = [te_positions(p, levels, "split_") for p, levels in zip(pieces, ranks)]
+    split_doc, split_pos, split_real = (torch.cat(parts) for parts in zip(*te))
+    split_k, split_v = (torch.cat([p[x][0][:s] for p, s in zip(pieces, starts)]) for x in ("k", "v"))
+    every_k, every_v = (torch.cat([p[x][0] for p in pieces]) for x in ("k", "v"))
+    every_doc = torch.cat([p["document_ids"][0] for p in pieces])
+    every_pos = torch.cat([p["document_positions"][0] for p in pieces])
+    by_meta, by_ids = [], []
+    for piece, (doc, pos, _), s in zip(pieces, te, starts):
+        q, k, v = (piece[x][0] for x in ("q", "k", "v"))
+        ids, positions = piece["document_ids"][0], piece["document_positions"][0]
+        # the split part: TE's metadata names each token's split document, which document_ids names
+        assert torch.equal(piece["split_documents"][doc], ids[:s]) and torch.equal(pos, positions[:s])
+        split_out = attend(
+            q[:s], split_k, split_v, (split_doc == doc[:, None]) & (split_pos <= pos[:, None]) & split_real
+        )
+        # the whole part: segments of whole_cu_seqlens, own keys and values only
+        segment, within, _ = whole_segments(piece)
+        owned = torch.cat([piece["whole_documents"], torch.tensor([-1])])  # then the padding segment
+        assert torch.equal(owned[segment], ids[s:]) and torch.equal(within, positions[s:])
+        whole_out = attend(q[s:], k[s:], v[s:], (segment == segment[:, None]) & (within <= within[:, None]))
+        by_meta.append(torch.cat([split_out, whole_out]).unsqueeze(0))
+        by_ids.append(
+            attend(q, every_k, every_v, (every_doc == ids[:, None]) & (every_pos <= positions[:, None])).unsqueeze(0)
+        )
+    docs = split.documents(batch)
+    want = per_document_sdpa(batch, docs.lengths.tolist())
+    for outs in (by_meta, by_ids):
         torch.testing.assert_close(split.unshard(outs, sizes, docs), want, rtol=1e-9, atol=1e-9)
     for key in ("labels", "loss_mask"):
         assert torch.equal(split.unshard([p[key] for p in pieces], sizes, docs).reshape(batch[key].shape), batch[key])
