@@ -5,12 +5,15 @@
 * :mod:`~collective_loader.text.tokenizer`: :class:`TextEncoder`, one call over the tokenizers users have;
 * :mod:`~collective_loader.text.packing`: :class:`Packing`, the :class:`Packer` and the batch of
   packed rows with its document boundaries;
+* :mod:`~collective_loader.text.balance`: :class:`Balance`, packed rows placed over the
+  data-parallel replicas by attention cost;
 * :mod:`~collective_loader.text.rows`: :class:`PackedRows`, a packing leader's epoch and its cursor;
 * :mod:`~collective_loader.text.resume`: the hand-over that makes a resume exact;
 * :mod:`~collective_loader.text.collate`: :func:`lm_collate` for rows written whole.
 """
 
 from collective_loader.deprecation import renamed
+from collective_loader.text.balance import Balance
 from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import TextColumn, TokenColumn
 from collective_loader.text.packing import BOUNDARIES, IGNORE_INDEX, Packing
@@ -19,6 +22,7 @@ from collective_loader.text.tokenizer import TextEncoder, load_tokenizer
 
 __all__ = [
     "BOUNDARIES",
+    "Balance",
     "IGNORE_INDEX",
     "TextEncoder",
     "PackedRows",

@@ -34,7 +34,7 @@ from collective_loader.integrations.titan_configs import (
     titan_inputs,
 )
 from collective_loader.integrations.titan_wrap import with_mesh
-from collective_loader.text import Packing, TextColumn, TokenColumn
+from collective_loader.text import Balance, Packing, TextColumn, TokenColumn
 
 SEQ, BATCH, DP, STEPS = 64, 4, 2, 8
 TOLERANCE = 2e-5  # the log prints 5 decimals; float32 sums in another order differ below that
@@ -53,6 +53,8 @@ def test_each_layout_is_read_as_the_flags_say():
     tokenizer = object()  # the Trainer's; used where the leaders first encode
     assert read_as(config(text=True), tokenizer, 8) == (TextColumn(tokenizer, "text"), Packing(seq_len=8))
     assert read_as(config(text=True, column="body"), tokenizer, 8)[0] == TextColumn(tokenizer, "body")
+    assert read_as(config(pack=True, balance=True), None, 8)[1].balance == Balance()
+    assert read_as(config(pack=True), None, 8)[1].balance is None
 
 
 @pytest.mark.parametrize(
@@ -63,6 +65,7 @@ def test_each_layout_is_read_as_the_flags_say():
         ({"token_dtype": "float32"}, None, "--dataloader.token_dtype float32: token ids are integers"),
         ({"documents_per_batch": 8}, None, "add --dataloader.pack .* or --dataloader.text"),
         ({"at_end": "drop"}, None, "add --dataloader.pack .* or --dataloader.text"),
+        ({"balance": True}, None, "--dataloader.balance say how documents are packed: add --dataloader.pack"),
     ],
 )
 def test_flags_that_do_not_fit_together_name_the_flag_to_change(fields, tokenizer, message):
@@ -404,3 +407,32 @@ def test_the_leaders_workers_tokenize(data):
     assert_packed(run, data.bos)
     assert_leaders_only(run)
     assert all(len(pids) == 2 for pids in run.encoders.values()), run.encoders  # each leader's two workers
+
+
+def step_tokens(run: Run, step: int) -> list[int]:
+    """Every token the replicas trained at ``step`` (0-based), sorted: each row's inputs and its last label."""
+    out = []
+    for dp_rank in range(DP):
+        for row in rows(run, dp_rank)[step * BATCH : (step + 1) * BATCH]:
+            out += [*row["input"], row["labels"][-1]]
+    return sorted(out)
+
+
+@pytest.mark.slow  # two more Trainer runs (6 ranks, about two minutes)
+@pytest.mark.timeout(1200)
+def test_balanced_rows_keep_the_pipeline_parity_and_each_steps_tokens(data, reference):
+    """``--dataloader.balance``: pp=2 x dp_shard=2 still trains with pp=1's losses and rows; each
+    step trains the tokens of the unbalanced run, some on the other replica."""
+    balanced = train(data, "pp1-dp2-balanced", flags=("--checkpoint.load_only", "--dataloader.balance"))
+    pipelined = train(data, "pp2-dp2-balanced", pp=2, flags=("--checkpoint.load_only", "--dataloader.balance"))
+    assert sorted(pipelined.losses) == sorted(balanced.losses) == list(range(1, STEPS + 1))
+    gaps = {step: abs(pipelined.losses[step] - balanced.losses[step]) for step in balanced.losses}
+    assert max(gaps.values()) <= TOLERANCE, gaps
+    for dp_rank in range(DP):
+        assert rows(pipelined, dp_rank) == rows(balanced, dp_rank), dp_rank
+        for row in rows(pipelined, dp_rank):
+            assert row["labels"][:-1] == row["input"][1:]
+    for step in range(STEPS):
+        assert step_tokens(balanced, step) == step_tokens(reference, step), step
+    assert any(rows(balanced, d) != rows(reference, d) for d in range(DP)), "balancing moved no row"
+    assert_leaders_only(pipelined)
