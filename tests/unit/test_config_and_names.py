@@ -78,7 +78,7 @@ def test_a_config_is_frozen_keyword_only_and_documents_every_field():
     source = __import__("inspect").getsource(LoaderConfig)
     for f in dataclasses.fields(LoaderConfig):
         # each field is followed by its own docstring in the class body
-        assert f'{f.name}: ' in source and documented, f.name
+        assert f"{f.name}: " in source and documented, f.name
         after = source.split(f"    {f.name}: ", 1)[1].split("\n", 2)[1]
         assert after.strip().startswith('"""'), f"{f.name} has no docstring"
 
