@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.delivery.transport import Transport
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement
-from collective_loader.plan.routing import Routing, SequenceSplit
+from collective_loader.plan.routing import Routing, SequenceSplit, str_keys
 
 Delivery = Literal["broadcast", "scatter"]
 
@@ -94,10 +94,7 @@ class LoaderConfig:
 
     def __post_init__(self) -> None:
         for name in ("inputs", "labels", "every_stage"):
-            keys = getattr(self, name)
-            if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
-                raise TypeError(f"{name} must be a sequence of str keys, got {keys!r}")
-            object.__setattr__(self, name, tuple(keys))
+            object.__setattr__(self, name, str_keys(name, getattr(self, name)))
         # read-only copies: a frozen config must not change under the ranks' agreement
         object.__setattr__(self, "seq_dims", MappingProxyType(dict(self.seq_dims or {})))
         if self.roles is not None:

@@ -31,6 +31,18 @@ from collective_loader.plan.documents import PerDocument
 SequenceSplit = sharding.Split | PerDocument
 
 
+def str_keys(name: str, keys: Any) -> tuple[str, ...]:
+    """``keys`` as a tuple; ``TypeError`` naming the option ``name`` unless it is a sequence of str
+    (a lone str is refused: ``inputs="ids"`` would mean the keys ``i`` and ``d``).
+
+    >>> str_keys("inputs", ["input_ids"])
+    ('input_ids',)
+    """
+    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+        raise TypeError(f"{name} must be a sequence of str keys, got {keys!r}")
+    return tuple(keys)
+
+
 @dataclass(frozen=True)
 class Routing:
     """What goes where. ``shard_dims`` lists ``(name, size)`` of the shard dims, outermost first;
@@ -54,10 +66,7 @@ class Routing:
 
     def __post_init__(self) -> None:
         for name in ("inputs", "labels", "every_stage"):
-            keys = getattr(self, name)
-            if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
-                raise TypeError(f"{name} must be a sequence of str keys, got {keys!r}")
-            object.__setattr__(self, name, tuple(keys))
+            object.__setattr__(self, name, str_keys(name, getattr(self, name)))
         if not self.inputs and not self.labels and not self.every_stage:
             raise ValueError("inputs, labels and every_stage are all empty: nothing would be delivered")
         twice = sorted(set(self.every_stage) & (set(self.inputs) | set(self.labels)))
