@@ -1,23 +1,30 @@
-"""Causal-attention work per cp rank: whole-row zigzag against the per-document split.
+"""Work per cp rank on packed documents: whole-row zigzag, per-document split, balanced split.
 
     python bench/cp_balance.py            # bench/results/cp_balance.{json,md} (pure arithmetic; run time: bench/README.md)
 
-A micro-batch is one row of ``--seq`` tokens packed with documents drawn from a mix; the last
-document of a row is cut at the row's end. Per cp rank, the attention work is the sum over its
-real query tokens of the causal prefix length within the query's document (a query at position
-``k`` of its document attends to ``k + 1`` keys; padding queries are not counted: TE's THD
-attention skips them through the real ``cu_seqlens``), and its token count is the tokens it
-holds. Per micro-batch, the balance is max / mean of the work over the cp ranks (1.0: every rank
-waits for no other); the table gives its mean and worst over the micro-batches.
+A micro-batch is one row of packed documents drawn from a mix (the last document of a row is cut
+at the row's end). Per cp rank, from what the split itself deals (its ``piece`` is what runs here):
 
-* whole-row zigzag: the row cut into 2 x cp chunks, rank r keeping chunks r and 2cp-1-r
-  (``split="zigzag"``; attention still masked to each document);
-* per document: :class:`~collective_loader.plan.documents.PerDocument`, the split itself (its
-  ``piece`` is what runs here): every document padded to a multiple of 2 x cp, rank r keeping
-  chunks r and 2cp-1-r of each.
+* attention work: the sum over its real query tokens of the causal prefix length within the
+  query's document (a query at position ``k`` attends to ``k + 1`` keys; padding queries are not
+  counted: THD / varlen attention skips them through the real offsets);
+* cost: the cost model of :class:`~collective_loader.plan.balanced.BalancedDocuments`,
+  ``L**2 + c * L`` per document, dealt per real query as ``2k + 1 + c`` (a document's ``L**2``
+  summed over its queries), at ``c = 0`` and at ``c = 12 * 4096`` (a model 4096 wide);
+* slots: the tokens it holds, padding included.
 
-Target (issue 22): per-document max / mean work at most 1.05 on every mix (the first four; the
-fifth, very short documents, is added to show where the padding to 2 x cp costs most).
+Per micro-batch, balance = max / mean over the cp ranks (1.0: no rank waits for another); the
+tables give its mean over the micro-batches (and the worst). Padding overhead = slots / real
+tokens - 1, over all micro-batches.
+
+* whole-row zigzag: the row cut into 2 x cp chunks, rank r keeping chunks r and 2cp-1-r;
+* per document: :class:`~collective_loader.plan.documents.PerDocument` (TransformerEngine's rule:
+  every document padded to a multiple of 2 x cp, rank r keeping chunks r and 2cp-1-r of each);
+* balanced: :class:`~collective_loader.plan.balanced.BalancedDocuments` with its defaults
+  (``split_share=0.05``), built with the ``c`` of the cost it is measured by.
+
+Target (issue 29): balanced max / mean <= 1.05 on every mix at cp 2, 4 and 8, tiny documents
+included, with padding overhead <= 10%.
 """
 
 from __future__ import annotations
@@ -29,167 +36,196 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from harness import RESULTS, Run  # bench/harness.py: run as python bench/<name>.py
+from harness import RESULTS, Run, table  # bench/harness.py: run as python bench/<name>.py
 
 from collective_loader.plan import sharding
+from collective_loader.plan.balanced import BalancedDocuments
 from collective_loader.plan.documents import PerDocument
 
-TARGET = 1.05
+TARGET_BALANCE, TARGET_PADDING = 1.05, 0.10
 CPS = (2, 4, 8)
+WIDE = 12 * 4096  # c for a model 4096 wide (see BalancedDocuments' docstring)
+Draw = Callable[[np.random.Generator], int]
 
 
-def _short(rng: np.random.Generator, seq: int) -> int:
-    return int(rng.integers(64, 1025))
-
-
-def _very_short(rng: np.random.Generator, seq: int) -> int:
-    return int(rng.integers(16, 129))
-
-
-def _lognormal(rng: np.random.Generator, seq: int) -> int:
-    return int(np.clip(rng.lognormal(6.5, 1.5), 16, seq))
-
-
-def _fill(draw: Callable[[np.random.Generator, int], int], first: int = 0):
+def _fill(draw: Draw, first: int = 0) -> Callable[[np.random.Generator, int], list[int]]:
     def lengths(rng: np.random.Generator, seq: int) -> list[int]:
         out = [first] if first else []
         while sum(out) < seq:
-            out.append(draw(rng, seq))
+            out.append(draw(rng))
         out[-1] -= sum(out) - seq  # the last document is cut at the row's end
         return out
 
     return lengths
 
 
-def mixes(seq: int) -> dict[str, tuple[str, Callable[[np.random.Generator, int], list[int]]]]:
+def mixes() -> dict[str, tuple[str, int, Callable[[np.random.Generator, int], list[int]]]]:
+    """name: (what, tokens per row, the row's document lengths)."""
     return {
-        "all short": ("uniform 64-1024 tokens", _fill(_short)),
-        "long-tailed": ("log-normal, median 665 tokens, sigma 1.5 (16 to a whole row)", _fill(_lognormal)),
-        "one long + many short": (f"one of {seq // 2} tokens, then uniform 64-1024", _fill(_short, first=seq // 2)),
-        "single document": ("one document filling the row", lambda rng, seq: [seq]),
-        "very short (extra)": (
-            "uniform 16-128 tokens; not one of the issue's mixes: where padding costs most",
-            _fill(_very_short),
+        "tiny": ("uniform 1-30 tokens", 8192, _fill(lambda rng: int(rng.integers(1, 31)))),
+        "all short": ("uniform 64-1024 tokens", 32768, _fill(lambda rng: int(rng.integers(64, 1025)))),
+        "log-normal": (
+            "log-normal, median 665 tokens, sigma 1.5 (16 to a whole row)",
+            32768,
+            _fill(lambda rng: int(np.clip(rng.lognormal(6.5, 1.5), 16, 32768))),
+        ),
+        "one long + many short": (
+            "one of 16384 tokens, then uniform 64-1024",
+            32768,
+            _fill(lambda rng: int(rng.integers(64, 1025)), first=16384),
+        ),
+        "single document": ("one document filling the row", 32768, lambda rng, seq: [seq]),
+        "long tail": (
+            "log-normal, median 1000 tokens, sigma 1.2 (1 to a whole row of 32768)",
+            32768,
+            _fill(lambda rng: int(np.clip(rng.lognormal(np.log(1000), 1.2), 1, 32768))),
         ),
     }
 
 
-def per_document(lengths: list[int], cp: int) -> tuple[list[int], list[int], list[int]]:
-    """Per cp rank: real work, tokens held, real tokens; from the split's own ``piece``."""
-    split = PerDocument(cu_seqlens="cu_seqlens")
+def dealt(split: PerDocument, lengths: list[int], cp: int) -> list[tuple[torch.Tensor, int]]:
+    """Per cp rank: the positions of its real query tokens in their documents, and its slots."""
     cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
-    work, held, real = [], [], []
+    real_length = torch.tensor(lengths)
+    out = []
     for rank in range(cp):
         piece = split.piece({"cu_seqlens": cu}, {}, [(cp, rank)])
         pos, doc = piece["document_positions"][0], piece["document_ids"][0]
-        is_real = pos < piece["cu_seqlens"].diff()[doc]
-        work.append(int((pos[is_real] + 1).sum()))
-        held.append(len(pos))
-        real.append(int(is_real.sum()))
-    return work, held, real
-
-
-def whole_row(lengths: list[int], cp: int) -> tuple[list[int], list[int], list[int]]:
-    """Per cp rank: work, tokens held, real tokens under the whole-row zigzag."""
-    within = torch.cat([torch.arange(n) for n in lengths])  # each token's position in its document
-    work, held = [], []
-    for rank in range(cp):
-        mine = sharding.shard(within, 0, [(cp, rank)], "zigzag")
-        work.append(int((mine + 1).sum()))
-        held.append(len(mine))
-    return work, held, held
-
-
-def balance(work: list[int]) -> float:
-    mean = sum(work) / len(work)
-    return max(work) / mean if mean else 1.0
-
-
-def run(seq: int, steps: int, seed: int) -> dict:
-    out: dict = {}
-    for name, (what, draw) in mixes(seq).items():
-        rng = np.random.default_rng(seed)
-        batches = [draw(rng, seq) for _ in range(steps)]
-        for cp in CPS:
-            for split_name, fn in (("whole-row zigzag", whole_row), ("per document", per_document)):
-                ratios, totals, held_total, real_total = [], [0] * cp, [0] * cp, [0] * cp
-                for lengths in batches:
-                    work, held, real = fn(lengths, cp)
-                    ratios.append(balance(work))
-                    for r in range(cp):
-                        totals[r] += work[r]
-                        held_total[r] += held[r]
-                        real_total[r] += real[r]
-                out[(name, cp, split_name)] = {
-                    "mean": statistics.fmean(ratios),
-                    "worst": max(ratios),
-                    "rank_work": totals,
-                    "rank_tokens": held_total,
-                    "rank_real": real_total,
-                    "padding": 1 - sum(real_total) / sum(held_total),
-                    "docs": statistics.fmean(len(b) for b in batches),
-                }
-        out[name] = what
+        real = (doc >= 0) & (pos < real_length[doc.clamp(min=0)])
+        out.append((pos[real], len(pos)))
     return out
 
 
-def report(results: dict, seq: int, steps: int, seed: int) -> list[str]:
+def whole_row(lengths: list[int], cp: int) -> list[tuple[torch.Tensor, int]]:
+    """Per cp rank, under the whole-row zigzag: positions of its tokens in their documents, slots."""
+    within = torch.cat([torch.arange(n) for n in lengths])
+    out = []
+    for rank in range(cp):
+        mine = sharding.shard(within, 0, [(cp, rank)], "zigzag")
+        out.append((mine, len(mine)))
+    return out
+
+
+def balance(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean else 1.0
+
+
+def splits(c: float) -> dict[str, Callable[[list[int], int], list[tuple[torch.Tensor, int]]]]:
+    per_document = PerDocument(cu_seqlens="cu_seqlens")
+    balanced = BalancedDocuments(cu_seqlens="cu_seqlens", linear_cost=c)
+    return {
+        "whole-row zigzag": whole_row,
+        "per document": lambda lengths, cp: dealt(per_document, lengths, cp),
+        "balanced": lambda lengths, cp: dealt(balanced, lengths, cp),
+    }
+
+
+def measure(batches: list[list[int]], cp: int, deal: Callable, c: float) -> dict:
+    work, cost, slots, real = [], [], 0, 0
+    for lengths in batches:
+        ranks = deal(lengths, cp)
+        work.append(balance([float((pos + 1).sum()) for pos, _ in ranks]))
+        cost.append(balance([float((2 * pos + 1).sum()) + c * len(pos) for pos, _ in ranks]))
+        slots += sum(held for _, held in ranks)
+        real += sum(len(pos) for pos, _ in ranks)
+    return {
+        "work": statistics.fmean(work),
+        "work_worst": max(work),
+        "cost": statistics.fmean(cost),
+        "cost_worst": max(cost),
+        "padding": slots / real - 1,
+        "docs": statistics.fmean(len(b) for b in batches),
+        "longest": max(max(b) for b in batches),
+    }
+
+
+def run(steps: int, seed: int) -> list[dict]:
+    rows = []
+    for name, (_, seq, draw) in mixes().items():
+        rng = np.random.default_rng(seed)
+        batches = [draw(rng, seq) for _ in range(steps)]
+        for c in (0.0, float(WIDE)):
+            for cp in CPS:
+                for split, deal in splits(c).items():
+                    rows.append(
+                        {"mix": name, "seq": seq, "c": c, "cp": cp, "split": split, **measure(batches, cp, deal, c)}
+                    )
+    return rows
+
+
+def report(rows: list[dict], steps: int, seed: int) -> list[str]:
+    at = {(r["mix"], r["c"], r["cp"], r["split"]): r for r in rows}
+
+    def cell(r: dict, key: str) -> str:
+        return f"{r[key]:.3f} ({r[key + '_worst']:.3f})"
+
     lines = [
-        "Pure arithmetic on the split's own index code; no timing, so machine load does not matter.",
+        "Pure arithmetic on the splits' own index code; no timing, so machine load does not matter.",
         "",
-        f"A micro-batch is one row of {seq} tokens packed with documents of the mix (the last one cut at the row's "
-        f"end); {steps} micro-batches per mix (seed {seed}). Work of a cp rank = sum over its real query tokens of "
-        "the causal prefix length within the query's document. Balance = max / mean work over the cp ranks of one "
-        "micro-batch: its mean and worst over the micro-batches. Padding = share of the tokens the ranks hold that "
-        "are padding (per document: each document padded to a multiple of 2 x cp; none under the whole-row split). "
-        f"Target (issue 22, its four mixes): per-document balance <= {TARGET} (the column checks the worst micro-batch).",
+        f"One row per micro-batch, {steps} micro-batches per mix (seed {seed}); the last document of a row is cut at "
+        "its end. Balance = max / mean over the cp ranks of one micro-batch, mean over the micro-batches (worst in "
+        "brackets). Attention work of a rank = sum over its real queries of the causal prefix length in the query's "
+        "document; cost = `L**2 + c * L` per document, dealt per real query as `2k + 1 + c`. Padding = slots / real "
+        "tokens - 1. Balanced = `BalancedDocuments(linear_cost=c)`, default `split_share=0.05`. Target (issue 29): "
+        f"balanced <= {TARGET_BALANCE} on every mix at cp 2, 4, 8, padding <= {TARGET_PADDING:.0%}; the last column "
+        "checks both on the mean (and says so when the worst micro-batch misses).",
         "",
-        "| mix | docs / row | cp | whole-row zigzag: mean | worst | per document: mean | worst | padding | target |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "## Attention work, c = 0",
+        "",
     ]
-    for name in mixes(seq):
+    body = []
+    for name in mixes():
         for cp in CPS:
-            z, d = results[(name, cp, "whole-row zigzag")], results[(name, cp, "per document")]
-            met = "met" if d["worst"] <= TARGET else "**not met**"
-            lines.append(
-                f"| {name} | {d['docs']:.1f} | {cp} | {z['mean']:.3f} | {z['worst']:.3f} | {d['mean']:.3f} | "
-                f"{d['worst']:.3f} | {100 * d['padding']:.2f}% | {met} |"
+            z, d, b = (at[(name, 0.0, cp, s)] for s in ("whole-row zigzag", "per document", "balanced"))
+            met = b["work"] <= TARGET_BALANCE and b["cost"] <= TARGET_BALANCE and b["padding"] <= TARGET_PADDING
+            note = "met" if met else "**not met**"
+            if met and max(b["work_worst"], b["cost_worst"]) > TARGET_BALANCE:
+                note += " (worst micro-batch over)"
+            body.append(
+                (name, f"{b['docs']:.1f}", cp, cell(z, "work"), cell(d, "work"), f"{d['padding']:.2%}", cell(b, "work"))
+                + (cell(b, "cost"), f"{b['padding']:.2%}", note)
             )
-    lines += ["", "Mixes: " + "; ".join(f"*{name}*: {results[name]}" for name in mixes(seq)) + ".", ""]
-    lines += [
-        "## Per rank, cp = 4 and 8, summed over the micro-batches",
-        "",
-        "Work as a share of the mean rank's (1.000 = the mean), then the real tokens each rank holds as a share of "
-        "the mean; every rank holds the same number of tokens, padding included, under both splits.",
-        "",
-        "| mix | cp | split | work per rank / mean | real tokens per rank / mean |",
-        "|---|---|---|---|---|",
+    lines += table(
+        "mix | docs / row | cp | whole-row zigzag | per document | padding | balanced | balanced cost (c = 0) | "
+        "padding | target",
+        body,
+    )
+    lines += [f"## Cost with c = 12 x 4096 = {WIDE} (a model 4096 wide), balanced built with that c", ""]
+    body = []
+    for name in mixes():
+        for cp in CPS:
+            z, d, b = (at[(name, float(WIDE), cp, s)] for s in ("whole-row zigzag", "per document", "balanced"))
+            met = b["cost"] <= TARGET_BALANCE and b["padding"] <= TARGET_PADDING
+            body.append(
+                (name, cp, cell(z, "cost"), cell(d, "cost"), cell(b, "cost"), cell(b, "work"), f"{b['padding']:.2%}")
+                + ("met" if met else "**not met**",)
+            )
+    lines += table(
+        "mix | cp | whole-row zigzag: cost | per document: cost | balanced: cost | balanced: attention work | "
+        "padding | target",
+        body,
+    )
+    longest = {r["mix"]: r["longest"] for r in rows}
+    described = [
+        f"*{name}*: {what}, rows of {seq}, longest drawn {longest[name]}" for name, (what, seq, _) in mixes().items()
     ]
-    for name in mixes(seq):
-        for cp in (4, 8):
-            for split_name in ("whole-row zigzag", "per document"):
-                r = results[(name, cp, split_name)]
-                work, real = r["rank_work"], r["rank_real"]
-                assert len(set(r["rank_tokens"])) == 1
-                w = " ".join(f"{x / (sum(work) / cp):.3f}" for x in work)
-                t = " ".join(f"{x / (sum(real) / cp):.3f}" for x in real)
-                lines.append(f"| {name} | {cp} | {split_name} | {w} | {t} |")
+    lines += ["Mixes: " + "; ".join(described) + "."]
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq", type=int, default=32768, help="tokens per packed row (one row per micro-batch)")
-    p.add_argument("--steps", type=int, default=64, help="micro-batches per mix")
+    p.add_argument("--steps", type=int, default=64, help="micro-batches (rows) per mix")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=RESULTS, help="directory of cp_balance.{json,md}")
     a = p.parse_args(argv)
+    torch.set_num_threads(1)  # small index tensors: threads only contend on a shared machine
     started = Run("cp_balance.py", argv)
-    results = run(a.seq, a.steps, a.seed)
-    rows = [{"mix": k[0], "cp": k[1], "split": k[2], **v} for k, v in results.items() if isinstance(k, tuple)]
-    meta = started.meta(seq=a.seq, steps=a.steps, seed=a.seed)
-    title = "Attention work per cp rank: whole-row zigzag vs per-document split"
-    started.write("cp_balance", title, {"meta": meta, "rows": rows}, report(results, a.seq, a.steps, a.seed), a.out)
+    rows = run(a.steps, a.seed)
+    meta = started.meta(steps=a.steps, seed=a.seed, wide_c=WIDE)
+    title = "Work per cp rank on packed documents: whole-row zigzag, per-document split, balanced split"
+    started.write("cp_balance", title, {"meta": meta, "rows": rows}, report(rows, a.steps, a.seed), a.out)
     return 0
 
 
