@@ -37,6 +37,7 @@ computes the same one from the same batch. Pure tensor code; nothing here talks 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from collective_loader.plan import sharding
 from collective_loader.plan.documents import (
     DOCUMENT_IDS,
     DOCUMENT_POSITIONS,
@@ -67,8 +69,8 @@ SPLIT_MAX_SEQLEN_LOCAL = "split_max_seqlen_local"  # int: split_max_seqlen / n
 WHOLE_DOCUMENTS = "whole_documents"  # (K,) int64: this rank's whole documents' ids in the stream, then -1
 WHOLE_CU_SEQLENS = "whole_cu_seqlens"  # (K + 2,) int32: offsets in the whole part (see below)
 WHOLE_MAX_SEQLEN = "whole_max_seqlen"  # int: the longest whole document or padding segment of any rank
-# DOCUMENT_IDS (1, tokens / n) int64: each own token's document in the stream, -1 in the padding
-# segment; DOCUMENT_POSITIONS (1, tokens / n) int64: its position in its (padded) document
+# DOCUMENT_IDS (1, tokens held) int64: each own token's document in the stream, -1 in the padding
+# segment; DOCUMENT_POSITIONS (1, tokens held) int64: its position in its (padded) document
 METADATA = (
     SPLIT_DOCUMENTS,
     SPLIT_CU_SEQLENS,
@@ -133,7 +135,7 @@ class BalancedDocuments(PerDocument):
 
     def piece(self, selected: Mapping[str, Any], seq_dims: Mapping[str, int], levels: Levels) -> dict[str, Any]:
         """What the rank at ``levels`` keeps of ``selected``: its tokens of the ``seq_dims`` keys,
-        ``(1, tokens / n, ...)`` laid out as the module docstring says, other keys as they are,
+        ``(1, tokens held, ...)`` laid out as the module docstring says, other keys as they are,
         the ``cu_seqlens`` key replaced by :data:`METADATA`."""
         device = selected[self.boundaries].device
         docs = self.documents(selected)
@@ -167,18 +169,18 @@ class BalancedDocuments(PerDocument):
     def _fill(self, key: str, value: torch.Tensor, own: RankPart) -> torch.Tensor:
         flat = value.reshape(-1, *value.shape[2:])
         out = flat.index_select(0, own.source.to(value.device))
-        if not bool(own.real.all()):
-            pad = ~own.real.to(value.device)
-            if key == self.positions:
-                # a split document's padding counts on (TE's convention); the padding segment
-                # counts from 0, a document of its own
-                tail = own.beyond.to(value.device).view(-1, *[1] * (out.dim() - 1)).to(out.dtype)
-                segment = (own.document < 0).to(value.device)
-                out = torch.where(
-                    segment.view_as(tail), own.position.to(value.device).view_as(tail).to(out.dtype), out + tail
-                )
-            else:
-                out[pad] = self.pad_values.get(key, 0)
+        pad = ~own.real
+        if not bool(pad.any()):
+            return out.unsqueeze(0)
+        if key == self.positions:
+            # a split document's padding counts on (TE's convention); the padding segment counts
+            # from 0, a document of its own
+            shape = (-1, *[1] * (out.dim() - 1))
+            tail = own.beyond.to(value.device, out.dtype).view(shape)
+            segment = (own.document < 0).to(value.device).view(shape)
+            out = torch.where(segment, own.position.to(value.device, out.dtype).view(shape), out + tail)
+        else:
+            out[pad.to(value.device)] = self.pad_values.get(key, 0)
         return out.unsqueeze(0)
 
 
@@ -188,14 +190,13 @@ class RankPart:
     padding, any); ``beyond``: 0, or ``k`` for the ``k``-th padding token of a split document;
     ``document``: its document in the stream (-1 in the padding segment); ``position``: its
     position in its padded document (or in the padding segment). ``whole``: the stream ids of the
-    rank's whole documents, ascending; ``split_tokens``: where its whole part starts."""
+    rank's whole documents, ascending."""
 
     source: torch.Tensor
     beyond: torch.Tensor
     document: torch.Tensor
     position: torch.Tensor
     whole: torch.Tensor
-    split_tokens: int
 
     @property
     def real(self) -> torch.Tensor:
@@ -218,14 +219,7 @@ class Deal:
     @staticmethod
     def of(lengths: torch.Tensor, sizes: Sequence[int], linear_cost: float, split_share: float) -> Deal:
         """Which documents split, and which rank gets each other one (module docstring, 3-4)."""
-        n, count = math.prod(sizes), len(lengths)
-        owner = torch.zeros(count, dtype=torch.int64)  # one rank: every document whole, no padding
-        if n > 1 and count:
-            owner = _deal(lengths, sizes, linear_cost, split_share)
-        held = torch.zeros(n, dtype=torch.int64)
-        whole = owner >= 0
-        held.index_add_(0, owner[whole], lengths[whole])
-        return Deal(lengths, tuple(sizes), owner, held)
+        return _dealt(tuple(lengths.tolist()), tuple(sizes), linear_cost, split_share)
 
     @property
     def n(self) -> int:
@@ -262,13 +256,13 @@ class Deal:
             first = starts[doc] + torch.minimum(own.position, self.lengths[doc] - 1)
             columns.insert(0, (first, own.beyond, doc, own.position))
         source, beyond, document, position = (torch.cat(column) for column in zip(*columns))
-        return RankPart(source, beyond, document, position, whole, len(source) - self.width)
+        return RankPart(source, beyond, document, position, whole)
 
     def metadata(self, own: RankPart, device: torch.device) -> dict[str, Any]:
         """The rank's :data:`METADATA`: every tensor the same shape on every rank, every int the
         same value."""
         split, whole = self.split, self.owner >= 0
-        multiple = 2 * self.n if self.n > 1 else 1
+        multiple = sharding.divisor([(self.n, 0)], "zigzag")  # 2n, or 1 when nothing is split
         real = self.lengths[split]
         padded = (real + multiple - 1) // multiple * multiple
         most = int(torch.bincount(self.owner[whole], minlength=self.n).max()) if bool(whole.any()) else 0
@@ -292,6 +286,20 @@ class Deal:
             DOCUMENT_IDS: own.document.unsqueeze(0).to(device),
             DOCUMENT_POSITIONS: own.position.unsqueeze(0).to(device),
         }
+
+
+# a scattering leader cuts every rank's piece of the same micro-batch: deal it once (the deal's
+# tensors are only read, never handed out)
+@functools.lru_cache(maxsize=4)
+def _dealt(lengths: tuple[int, ...], sizes: tuple[int, ...], linear_cost: float, split_share: float) -> Deal:
+    n, length = math.prod(sizes), torch.tensor(lengths, dtype=torch.int64)
+    owner = torch.zeros(len(lengths), dtype=torch.int64)  # one rank: every document whole, no padding
+    if n > 1 and lengths:
+        owner = _deal(length, sizes, linear_cost, split_share)
+    held = torch.zeros(n, dtype=torch.int64)
+    whole = owner >= 0
+    held.index_add_(0, owner[whole], length[whole])
+    return Deal(length, sizes, owner, held)
 
 
 def _flat(levels: Levels) -> int:
