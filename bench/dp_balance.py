@@ -35,7 +35,7 @@ import numpy as np
 from harness import Run, keep, runs_of, table, worlds_in_rounds  # bench/harness.py: run as python bench/<name>.py
 
 from collective_loader.testing import launch
-from collective_loader.text.balance import place, replica_costs
+from collective_loader.text.balance import place, place_in_blocks, replica_costs
 from collective_loader.text.packing import Packer
 
 TARGET = 1.05
@@ -105,6 +105,11 @@ def arithmetic(steps: int) -> list[dict]:
                 record[f"{label}_packed"] = statistics.fmean(packed)
                 record[f"{label}_placed"] = statistics.fmean(placed)
                 record[f"{label}_placed_worst"] = max(placed)
+            by_row = []  # Balance(rows=1), as TorchTitan's --dataloader.balance places them
+            for rows in per_step:
+                out = place_in_blocks(rows, ROWS, seq_len + 1, 0.0, 1)
+                by_row.append(ratio(replica_costs([[[p.length for p in r] for r in rep] for rep in out], 0.0)))
+            record["attention_by_row"] = statistics.fmean(by_row)
             slots = steps * dp * ROWS * (seq_len + 1)
             real = sum(n for rows in per_step for leader in rows for row in leader for n in row)
             record["padding"] = slots / real - 1
@@ -211,6 +216,7 @@ def main() -> None:
                 f"{r['attention_packed']:.3f}",
                 f"{r['attention_placed']:.3f}",
                 f"{r['attention_placed_worst']:.3f}",
+                f"{r['attention_by_row']:.3f}",
                 f"{r['wide_packed']:.3f}",
                 f"{r['wide_placed']:.3f}",
                 f"{r['padding']:.2%}",
@@ -222,11 +228,13 @@ def main() -> None:
         f"Arithmetic: each of dp leaders packs its own documents of the mix ({ROWS} rows per replica and step, "
         f"{steps} steps, seed = dp); the step's pieces are placed by `text.balance.place`. Balance = max / mean "
         "replica cost per step, mean over the steps (worst step beside it); cost = sum(L^2) + c sum(L) per row; "
-        f"c = 0 (attention) and c = {WIDE} (6 x 4096). Padding = slots / real tokens - 1, the same either way. "
+        f"c = 0 (attention) and c = {WIDE} (6 x 4096); *row by row*: `Balance(rows=1)`, each row slot placed on its own, as "
+        "TorchTitan's `--dataloader.balance` does. Padding = slots / real tokens - 1, the same either way. "
         f"Target: balanced <= {TARGET} with c = 0.",
         "",
         *table(
-            "mix | dp | packed (c=0) | balanced (c=0) | worst step | packed (c=6d) | balanced (c=6d) | padding | target",
+            "mix | dp | packed (c=0) | balanced (c=0) | worst step | row by row (c=0) | packed (c=6d) | balanced (c=6d) "
+            "| padding | target",
             rows,
         ),
         "Mixes: " + "; ".join(f"*{name}*: {desc}" for name, (desc, _, _) in mixes().items()) + ".",

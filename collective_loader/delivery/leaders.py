@@ -40,6 +40,11 @@ class LeaderGroup:
             return cls(None)
         return cls(new_group(sorted(leaders), "gloo", timeout, f"collective_loader:{name}"))
 
+    @property
+    def rank(self) -> int:
+        """This leader's place in the group's order (sorted global ranks); 0 when alone."""
+        return 0 if self.group is None else dist.get_rank(self.group)
+
     def gather(self, value: Any) -> list[Any]:
         """Every leader's ``value`` (picklable), in leader order, on every leader."""
         if self.group is None:

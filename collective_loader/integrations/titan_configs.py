@@ -168,7 +168,9 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
     Yields ``({"input": ..., "positions": ...}, labels)`` of ``local_batch_size`` rows (the
     pipeline micro-batch when pp > 1), on every rank of every stage. Its checkpoint state is
     :class:`~collective_loader.integrations.titan.TitanDataLoader`'s (packed: the leaders' hand-over,
-    gathered by ``CollectiveLoader.state_dict``). ``snapshot_every_n_steps`` is not needed (the
+    gathered by ``CollectiveLoader.state_dict``), the same on every rank, so one entry,
+    ``dp_rank_0``, which any rank of another mesh reads: a restart may change the DP degree when it
+    keeps the global batch (:class:`GlobalBatch`). ``snapshot_every_n_steps`` is not needed (the
     state is taken right after every consumed batch).
 
     Example (what the Trainer does; ``config.dataloader`` is this class's ``Config``)::
@@ -207,7 +209,8 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
 
         balance: bool = False
         """Packing: the leaders place each step's rows over the data-parallel replicas by attention
-        cost (``Packing(balance=Balance())``, docs/text-data.md); a step trains the same tokens."""
+        cost, row by row (``Packing(balance=Balance(rows=1))``, docs/text-data.md); a step trains
+        the same tokens, and pp = 2 the rows of pp = 1."""
 
         documents_per_batch: int | None = None
         """Packing: samples per DataLoader batch on a leader (default: the dataloader's batch, the
@@ -280,6 +283,21 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
                 f"ParallelDims.get_optional_mesh({DATA_MESH}, include_singleton_axes=True)"
             )
         self.infinite = config.infinite
+        self.global_batch = GlobalBatch(
+            config.documents_per_batch or local_batch_size, self.dp_world_size, batch_flag(packing, mesh)
+        )
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume at the next ``iter()``, on this DP degree or another; call on every rank.
+
+        Streaming resumes exactly only with the global batch the state was saved with; another
+        one raises ``ValueError`` on every rank, naming the flag to set (:meth:`GlobalBatch.check`).
+        """
+        state = self.loader_state(state_dict)
+        if state is not None:
+            if state["source"] is not None:
+                self.global_batch.check(state["source"]["global_batch"], state["dp_size"])
+            self.loader.load_state_dict(state)
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
         for epoch in itertools.count():
@@ -290,6 +308,53 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
             # a resumed epoch may have nothing left; a fresh one that is empty never fills
             if not self.infinite or (epoch > 0 and not delivered):
                 return
+
+
+# one row at a time: TorchTitan's pipeline loads one micro-batch per loader step, and the rows
+# must be placed as without the pipeline for pp = 2 to train pp = 1's rows
+BALANCE = Balance(rows=1)
+
+
+def batch_flag(packing: Packing | None, mesh: Any) -> str:
+    """The flag that sets a leader's samples per DataLoader batch: the packing's sample-batch, or
+    the dataloader's batch, which TorchTitan takes from the micro-batch under pp."""
+    if packing is not None:
+        return "--dataloader.documents_per_batch"
+    pp = mesh.size(mesh.mesh_dim_names.index("pp")) if "pp" in (mesh.mesh_dim_names or ()) else 1
+    return "--parallelism.pipeline_parallel_microbatch_size" if pp > 1 else "--training.local_batch_size"
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """This run's samples per DataLoader batch on each leader, ``per_replica``, times its DP degree
+    ``dp``: what streaming's state counts in, which a resume must keep; ``flag`` sets ``per_replica``."""
+
+    per_replica: int
+    dp: int
+    flag: str
+
+    def check(self, saved: int, saved_dp: int) -> None:
+        """Refuse a state saved with a global batch of ``saved`` samples over ``saved_dp`` replicas
+        unless it is this run's, naming the value of ``flag`` that resumes it.
+
+        >>> GlobalBatch(4, 1, "--training.local_batch_size").check(8, 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: the dataloader state was saved with a global batch of 8 samples (4 x 2 data-parallel replicas) and this run's is 4 (4 x 1): streaming resumes exactly only with the same global batch: set --training.local_batch_size 8
+        """
+        if saved == self.per_replica * self.dp:
+            return
+        what = (
+            f"the dataloader state was saved with a global batch of {saved} samples ({saved // saved_dp} x {saved_dp} "
+            f"data-parallel replicas) and this run's is {self.per_replica * self.dp} ({self.per_replica} x {self.dp}): "
+            "streaming resumes exactly only with the same global batch"
+        )
+        if saved % self.dp:
+            raise ValueError(
+                f"{what}, which {self.dp} replicas cannot split: resume on a data-parallel degree that divides {saved}, "
+                "or start the dataloader afresh (--checkpoint.exclude_from_loading dataloader)"
+            )
+        raise ValueError(f"{what}: set {self.flag} {saved // self.dp}")
 
 
 def read_as(
@@ -326,7 +391,7 @@ def read_as(
     else:
         layout = TokenColumn(config.column or "tokens", config.token_dtype)
     if config.text or config.pack:
-        return layout, Packing(seq_len, config.at_end, ("position_ids",), Balance() if config.balance else None)
+        return layout, Packing(seq_len, config.at_end, ("position_ids",), BALANCE if config.balance else None)
     if config.documents_per_batch is not None or config.at_end != "pad" or config.balance:
         raise ValueError(
             "--dataloader.documents_per_batch, --dataloader.at_end and --dataloader.balance say how documents are "

@@ -23,7 +23,7 @@ import torch
 
 from collective_loader.delivery.leaders import LeaderGroup
 from collective_loader.errors import LeaderError
-from collective_loader.text.balance import Piece, place, replica_costs
+from collective_loader.text.balance import Piece, place_in_blocks, replica_costs
 from collective_loader.text.packing import Packing, Row, batch_of
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 class BalancedRows:
     """A packing leader's steps of rows, placed over the replicas with the other leaders.
 
-    ``dp_rank``: this leader's replica; ``leaders``: the group of every replica's leader, in
-    dp_rank order. :attr:`stats` holds the figures of the steps so far: ``steps``, and the sums
+    ``dp_rank``: this leader's replica (for the log); ``leaders``: the group of every replica's
+    leader. Placements are indexed by the leaders' order in that group: the leader of rank ``g``
+    there delivers ``placed[g]`` to its replica. :attr:`stats` holds the figures of the steps so far: ``steps``, and the sums
     over steps of max/mean replica cost as packed (``cost_ratio_packed``) and as placed
     (``cost_ratio_placed``).
     """
@@ -68,7 +69,7 @@ class BalancedRows:
 
     def _step(self, rows: list[Row], pieces: list[list[list[int]]]) -> dict[str, torch.Tensor]:
         capacity = self.packing.seq_len + 1
-        placed = place(pieces, self.batch_rows, capacity, self.balance.linear_cost)
+        placed = place_in_blocks(pieces, self.batch_rows, capacity, self.balance.linear_cost, self.balance.rows)
         mine = self._move(rows, placed)
         batch = batch_of(mine, self.packing, self.batch_rows)
         if self.balance.valid_tokens is not None:
@@ -80,7 +81,7 @@ class BalancedRows:
 
     def _move(self, rows: list[Row], placed: list[list[list[Piece]]]) -> list[Row]:
         """This replica's rows: the pieces placed here, their tokens sent by the leaders that packed them."""
-        me = self.dp_rank
+        me = self.leaders.rank
         send: list[np.ndarray] = []
         send_counts = []
         for replica in placed:  # in each receiver's row order: the order it reads them back in

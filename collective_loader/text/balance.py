@@ -36,6 +36,11 @@ class Balance:
             tokens that are not ignored, over every replica (an int64 tensor of shape ``()``), to
             normalize the loss across replicas; deliver it to every stage with ``every_stage``.
             ``None``: no such key.
+        rows: how many of a step's rows are placed together: ``None``, all of them (the most even);
+            ``k``, each block of ``k`` rows (rows ``0..k-1`` of every leader, then ``k..2k-1``, ...)
+            on its own, so that a loader whose steps are micro-batches of ``k`` rows places rows
+            as one whose steps hold several micro-batches (TorchTitan's pipeline loads one
+            micro-batch per step: ``rows=1`` trains pp = 1's rows under pp = 2).
 
     >>> Balance(linear_cost=6 * 4096).linear_cost
     24576.0
@@ -43,6 +48,7 @@ class Balance:
 
     linear_cost: float = 0.0
     valid_tokens: str | None = None
+    rows: int | None = None
 
     def __post_init__(self) -> None:
         c = self.linear_cost
@@ -51,6 +57,8 @@ class Balance:
         object.__setattr__(self, "linear_cost", float(c))
         if self.valid_tokens is not None and (not isinstance(self.valid_tokens, str) or not self.valid_tokens):
             raise ValueError(f"Balance(valid_tokens=...) must be a key (str) or None, got {self.valid_tokens!r}")
+        if self.rows is not None and (isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1):
+            raise ValueError(f"Balance(rows=...) must be a positive int or None, got {self.rows!r}")
 
 
 class Piece(NamedTuple):
@@ -148,6 +156,27 @@ def place(
     ]
     if max(cost) >= max(replica_costs(rows, linear_cost)):
         return as_packed
+    return out
+
+
+def place_in_blocks(
+    rows: Sequence[Sequence[Sequence[int]]], batch_rows: int, capacity: int, linear_cost: float, block: int | None
+) -> list[list[list[Piece]]]:
+    """:func:`place` over each block of ``block`` rows on its own (``None``: one block of every
+    row): rows ``b * block ..`` of every leader are placed onto rows ``b * block ..`` of every
+    replica. ``Piece.row`` stays the row in its leader's step.
+
+    >>> out = place_in_blocks([[[4], [1, 1, 1, 1]], [[2, 2], [4]]], 2, 4, 0.0, block=1)
+    >>> [[sorted(p.length for p in row) for row in replica] for replica in out]
+    [[[4], [1, 1, 1, 1]], [[2, 2], [4]]]
+    """
+    size = block or batch_rows
+    out: list[list[list[Piece]]] = [[] for _ in rows]
+    for first in range(0, batch_rows, size):
+        n = min(size, batch_rows - first)
+        part = place([leader[first : first + n] for leader in rows], n, capacity, linear_cost)
+        for d, replica in enumerate(part):
+            out[d] += [[p._replace(row=p.row + first) for p in row] for row in replica]
     return out
 
 

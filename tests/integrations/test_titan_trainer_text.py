@@ -53,7 +53,7 @@ def test_each_layout_is_read_as_the_flags_say():
     tokenizer = object()  # the Trainer's; used where the leaders first encode
     assert read_as(config(text=True), tokenizer, 8) == (TextColumn(tokenizer, "text"), Packing(seq_len=8))
     assert read_as(config(text=True, column="body"), tokenizer, 8)[0] == TextColumn(tokenizer, "body")
-    assert read_as(config(pack=True, balance=True), None, 8)[1].balance == Balance()
+    assert read_as(config(pack=True, balance=True), None, 8)[1].balance == Balance(rows=1)
     assert read_as(config(pack=True), None, 8)[1].balance is None
 
 

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collective_loader.text import Packing
-from collective_loader.text.balance import Balance, place, replica_costs, row_cost
+from collective_loader.text.balance import Balance, place, place_in_blocks, replica_costs, row_cost
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -110,6 +110,7 @@ def test_row_cost_is_squares_plus_c_times_tokens():
         ({"linear_cost": -1}, "Balance\\(linear_cost=...\\) must be a number >= 0"),
         ({"linear_cost": True}, "Balance\\(linear_cost=...\\) must be a number >= 0"),
         ({"valid_tokens": ""}, "Balance\\(valid_tokens=...\\) must be a key"),
+        ({"rows": 0}, "Balance\\(rows=...\\) must be a positive int or None"),
     ],
 )
 def test_a_bad_balance_option_is_refused_naming_it(kwargs, needle):
@@ -121,3 +122,24 @@ def test_packing_takes_only_a_balance():
     with pytest.raises(TypeError, match="Packing\\(balance=...\\) must be a Balance"):
         Packing(8, balance=True)  # type: ignore[arg-type]
     assert Packing(8, balance=Balance()).balance == Balance()
+
+
+@FAST
+@given(seed=st.integers(0, 2**32 - 1), leaders=st.integers(1, 4), batch_rows=st.integers(1, 6), block=st.integers(1, 4))
+def test_blocks_of_rows_are_placed_alone_and_a_step_of_blocks_places_as_its_micro_batches(
+    seed, leaders, batch_rows, block
+):
+    """Rows b*k.. of every leader land on rows b*k.. of the replicas; placing a step in blocks of
+    k rows gives what placing each micro-batch of k rows as its own step gives (a pipeline's loader)."""
+    rows = packed_rows(np.random.default_rng(seed), leaders, batch_rows, 16, full=True)
+    placed = place_in_blocks(rows, batch_rows, 16, 0.0, block)
+    for replica in placed:
+        for r, row in enumerate(replica):
+            assert all(p.row // block == r // block for p in row)
+    for first in range(0, batch_rows, block):
+        n = min(block, batch_rows - first)
+        alone = place([leader[first : first + n] for leader in rows], n, 16, 0.0)
+        for d in range(leaders):
+            assert [[(p.leader, p.start, p.length) for p in row] for row in placed[d][first : first + n]] == [
+                [(p.leader, p.start, p.length) for p in row] for row in alone[d]
+            ]
