@@ -247,9 +247,16 @@ class CollectiveLoader:
                 close_source()
         _LIVE.discard(self)
 
-    def stats(self) -> dict[str, int]:
-        """Collectives and bytes this rank has sent and received through its delivery groups."""
-        return self.settings.groups.traffic()
+    def stats(self) -> dict[str, float]:
+        """Collectives and bytes this rank has sent and received through its delivery groups; on a
+        leader whose source reports its own figures (a packing ``StreamingSource``'s
+        ``packing_stats()``: documents, rows, padding, and with balancing the replicas' cost
+        max/mean), those too."""
+        out: dict[str, float] = dict(self.settings.groups.traffic())
+        figures = getattr(self._source, "packing_stats", None)
+        if callable(figures):
+            out.update(figures())
+        return out
 
     def __enter__(self) -> CollectiveLoader:
         return self

@@ -86,7 +86,7 @@ def epoch(data: str, dims: tuple, shape: tuple, balance: bool) -> dict:
     """One epoch on every rank: what it received, and (leaders) the balance figures."""
     loader = build(data, dims, shape, balance)
     batches = [{k: v.clone() for k, v in b.items()} for b in loader]
-    stats = loader.source.packing_stats() if loader.is_leader else None  # type: ignore[union-attr]
+    stats = loader.stats() if loader.is_leader else None  # the leader's traffic and its packing figures
     place = loader.place
     loader.close()
     return {
