@@ -116,7 +116,8 @@ def test_the_deal_splits_exactly_the_large_documents_and_evens_out_the_rest(leng
     assert len({len(p.source) for p in parts}) == 1
     real = torch.cat([p.source[p.real] for p in parts]).sort().values
     assert torch.equal(real, torch.arange(int(length.sum())))  # every token once
-    # each rank's whole-document tokens end within one whole document of the mean (greedy bound)
+    # each rank's whole-document tokens end within one whole document of the mean (what the greedy
+    # reaches on these mixes: checked, not a proven bound)
     whole = ~large
     if bool(whole.any()):
         mean, biggest = float(length[whole].sum()) / n, int(length[whole].max())
