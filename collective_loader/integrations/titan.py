@@ -11,12 +11,18 @@ trainer's job too (``prepare_context_parallel_input``), so sequences arrive whol
 For TorchTitan's own Trainer, chosen on the command line (``--module collective_loader.integrations.titan_configs``),
 see :mod:`collective_loader.integrations.titan_configs`; this module does not import torchtitan.
 
-Its state is in TorchTitan's per-DP-rank form, ``{"dp_rank_<i>": ..., "world_size": dp_size}``.
-The entry is one opaque leaf, as in TorchTitan, because ``torch.distributed.checkpoint`` (DCP)
-loads into the structure that a fresh ``state_dict()`` returns. A nested entry there would be
-``{"source": None, ...}`` and would not match a saved ``{"source": {...}}``. The leaf is
-written with ``torch.save`` and read back with ``torch.load(weights_only=True)``, which rebuilds
-only tensors and plain containers.
+Its state is in TorchTitan's form, ``{"dp_rank_<i>": ..., "world_size": dp_size}``, with one
+entry. A source that re-partitions what was consumed over another DP degree
+(``supports_elastic_resume``: a ``StreamingSource``) has the same state on every rank, so every
+rank saves and reads the entry of DP rank 0, ``dp_rank_0``: DCP writes a value that every rank
+saves under the same key once, and any rank of any new mesh reads it. Another source keeps each
+replica's own position, under its own ``dp_rank_<i>``, and resumes on the same DP degree only.
+A checkpoint of the earlier per-DP-rank form of a streaming source still loads (its ``dp_rank_0``
+is every replica's state). The entry is one opaque leaf, as in TorchTitan, because
+``torch.distributed.checkpoint`` (DCP) loads into the structure that a fresh ``state_dict()``
+returns. A nested entry there would be ``{"source": None, ...}`` and would not match a saved
+``{"source": {...}}``. The leaf is written with ``torch.save`` and read back with
+``torch.load(weights_only=True)``, which rebuilds only tensors and plain containers.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.loader import CollectiveLoader
 
+SHARED = "dp_rank_0"  # the entry of a state that is the same on every rank (see the module's docstring)
 # options that would contradict what TorchTitan's trainer expects of its dataloader
 REFUSED = {
     "seq_dims": "TorchTitan's trainer splits the sequence over cp itself (prepare_context_parallel_input)",
@@ -93,30 +100,46 @@ class TitanDataLoader:
             yield split_labels(batch, self.labels)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"dp_rank_<i>": bytes, "world_size": dp_size}``; call on every rank after the same step."""
+        """``{"dp_rank_<i>": bytes, "world_size": dp_size}``; call on every rank after the same step.
+
+        ``i`` is 0 on every rank when the source resumes on any DP degree (its state is the same
+        on every rank), this rank's replica otherwise."""
+        state = self.loader.state_dict()
+        entry = SHARED if state["source_elastic"] else self._rank_id
         buffer = io.BytesIO()
-        torch.save(self.loader.state_dict(), buffer)
-        return {self._rank_id: buffer.getvalue(), "world_size": self.dp_world_size}
+        torch.save(state, buffer)
+        return {entry: buffer.getvalue(), "world_size": self.dp_world_size}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume at the next ``iter()``; call on every rank.
 
-        As in TorchTitan, an empty state starts afresh, and a state without this DP rank's entry
-        warns and starts afresh. Another DP degree raises ``ValueError`` on every rank (it is
-        checked first, so no rank goes on alone).
+        As in TorchTitan, an empty state starts afresh, and a state without this rank's entry
+        warns and starts afresh. Another DP degree raises ``ValueError`` on every rank (the state
+        is the same on every rank, so no rank goes on alone) unless the source re-partitions.
         """
+        state = self.loader_state(state_dict)
+        if state is not None:
+            self.loader.load_state_dict(state)
+
+    def loader_state(self, state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The ``CollectiveLoader`` state in TorchTitan's ``state_dict``: this rank's entry, else
+        ``dp_rank_0`` (a state every rank shares); ``None`` to start afresh. Raises ``ValueError``
+        for another DP degree unless the source re-partitions (``source_elastic``)."""
         if not state_dict:
-            return
-        if state_dict.get("world_size") != self.dp_world_size:
+            return None
+        entry = self._rank_id if self._rank_id in state_dict else SHARED
+        state = torch.load(io.BytesIO(state_dict[entry]), weights_only=True) if entry in state_dict else None
+        if state is None or (entry != self._rank_id and not state["source_elastic"]):  # another replica's own
+            warnings.warn(f"dataloader state has no entry {self._rank_id!r}: starting from the beginning", stacklevel=3)
+            return None
+        saved = state_dict.get("world_size")
+        if saved != self.dp_world_size and not state["source_elastic"]:
             raise ValueError(
-                f"the dataloader state was saved with world_size={state_dict.get('world_size')!r} data-parallel ranks "
-                f"and this run has {self.dp_world_size}; the per-DP-rank state cannot be re-partitioned: resume with "
-                "the same DP degree, or start the dataloader afresh"
+                f"the dataloader state was saved with world_size={saved!r} data-parallel ranks and this run has "
+                f"{self.dp_world_size}; its source keeps each replica's own position, which cannot be re-partitioned "
+                "(a StreamingSource's can): resume with the same DP degree, or start the dataloader afresh"
             )
-        if self._rank_id not in state_dict:
-            warnings.warn(f"dataloader state has no entry {self._rank_id!r}: starting from the beginning", stacklevel=2)
-            return
-        self.loader.load_state_dict(torch.load(io.BytesIO(state_dict[self._rank_id]), weights_only=True))
+        return state
 
     def close(self) -> None:
         """Stop the loader's transfers; call on every rank before ``destroy_process_group()``."""

@@ -19,7 +19,9 @@ Trainer, give the mesh yourself: ``wrap_dataloader(config, mesh=mesh)``.
 - its checkpoint state is the wrapped loader's own (TorchTitan's ``{"dp_rank_<i>": ...,
   "world_size": dp}`` for TorchTitan's loaders) as it was right after the last batch the trainer
   consumed, produced and restored by the wrapped loader on the leader. Other ranks hold no data
-  state (``{}``), so checkpoints of wrapped and unwrapped runs load into each other.
+  state (``{}``), so checkpoints of wrapped and unwrapped runs load into each other. TorchTitan's
+  loaders keep each DP rank's own iterator position, so a state of another DP degree is refused,
+  on every rank, when the leader applies it (:func:`check_degree`).
 
 The wrapped config is a subclass of the user's config class with the same fields (so
 ``--dataloader.<field>`` flags and TorchTitan's ``replace(config, infinite=...)`` keep working)
@@ -67,8 +69,9 @@ class _LeaderSource:
     every rank of every replica through the delivery protocol.
     """
 
-    def __init__(self, build: Callable[[], BaseDataLoader]) -> None:
+    def __init__(self, build: Callable[[], BaseDataLoader], dp_world_size: int) -> None:
         self.build = build
+        self.dp_world_size = dp_world_size
         self.loader = build()
         self.pending: dict[str, Any] | None = None  # a loaded state not yet handed to the loader
         self.renew = False  # build a fresh loader at the next iter()
@@ -77,6 +80,7 @@ class _LeaderSource:
         if self.renew:
             self.loader, self.renew = self.build(), False
         if self.pending is not None:
+            check_degree(type(self.loader).__qualname__, self.pending.get("world_size"), self.dp_world_size)
             self.loader.load_state_dict(self.pending)
             self.pending = None
         for input_dict, labels in self.loader:
@@ -85,6 +89,27 @@ class _LeaderSource:
     def state_dict(self) -> torch.Tensor:
         state = self.pending if self.pending is not None else self.loader.state_dict()
         return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+
+def check_degree(loader: str, saved: int | None, dp_world_size: int) -> None:
+    """Refuse a TorchTitan loader's state saved with ``saved`` (its ``world_size``) data-parallel
+    ranks when this run has ``dp_world_size``: that state is each DP rank's own position in its
+    share of the data, which another number of ranks cannot take over.
+
+    >>> check_degree("HuggingFaceTextDataLoader", 2, 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: the HuggingFaceTextDataLoader state was saved with 2 data-parallel ranks and this run has 1: its state is each DP rank's own iterator position in its share of the data (a per-rank iterator state), which cannot be split over another number of ranks; resume on 2 data-parallel ranks, or start the dataloader afresh (--checkpoint.exclude_from_loading dataloader); an MDS dataset read by load_mds_once_per_replica resumes on any DP degree
+    """
+    if saved is None or saved == dp_world_size:
+        return
+    raise ValueError(
+        f"the {loader} state was saved with {saved} data-parallel ranks and this run has {dp_world_size}: its state is "
+        "each DP rank's own iterator position in its share of the data (a per-rank iterator state), which cannot be "
+        f"split over another number of ranks; resume on {saved} data-parallel ranks, or start the dataloader afresh "
+        "(--checkpoint.exclude_from_loading dataloader); an MDS dataset read by load_mds_once_per_replica resumes on "
+        "any DP degree"
+    )
 
 
 def _snapshot_state(snapshot: torch.Tensor) -> dict[str, Any]:
@@ -132,7 +157,7 @@ class ReplicaDataLoader(BaseDataLoader):
         self._leader: _LeaderSource | None = None
 
         def leader_source() -> _LeaderSource:  # called on leaders only
-            self._leader = _LeaderSource(functools.partial(inner.build, **self.build_args))
+            self._leader = _LeaderSource(functools.partial(inner.build, **self.build_args), dp_world_size)
             return self._leader
 
         self.loader = CollectiveLoader(leader_source, mesh, inputs=(), labels=(), every_stage=(INPUT_DICT, LABELS))
@@ -159,7 +184,8 @@ class ReplicaDataLoader(BaseDataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The leader hands ``state_dict`` to the wrapped loader at the next ``iter()``; other
-        ranks have nothing to restore."""
+        ranks have nothing to restore. A ``world_size`` other than this run's DP degree raises
+        ``ValueError`` there, which every rank receives as ``LeaderError`` (:func:`check_degree`)."""
         if self._leader is not None:
             self._leader.pending = dict(state_dict)
 
