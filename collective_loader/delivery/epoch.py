@@ -90,7 +90,7 @@ class Epoch(Iterator[Batch]):
         try:
             item = self._take()
         except DeliveryError:
-            self._finish()
+            self._finish(failed=True)
             raise
         if item.kind is not Kind.DATA:
             self._end(item)
@@ -107,7 +107,7 @@ class Epoch(Iterator[Batch]):
 
     def _end(self, item: protocol.Item) -> NoReturn:
         """The epoch's last item: stop, or raise its error."""
-        self._finish()
+        self._finish(failed=item.kind != Kind.END)
         if item.kind == Kind.END:
             raise StopIteration
         assert item.error is not None
@@ -136,10 +136,14 @@ class Epoch(Iterator[Batch]):
             self._posted = protocol.post(self.settings, self._prefetch.take())
         return protocol.complete(self.settings, posted)
 
-    def _finish(self) -> None:
+    def _finish(self, failed: bool) -> None:
         self._finished = True
         self._prefetch.close(JOIN_WAIT)  # a thread stuck in a stalled source is left behind
         self._close_watch()
+        if failed:
+            # a loop that catches the error may never close the loader: DataLoader workers left
+            # to the garbage collector would be joined there, 5 s each, inside whatever runs then
+            self._stop_source()
 
     def close(self) -> None:
         """Run the steps already granted (peers run them too), then stop the thread; an epoch
@@ -152,8 +156,13 @@ class Epoch(Iterator[Batch]):
         self._prefetch.close(JOIN_WAIT if self._finished else self.settings.config.timeout + JOIN_WAIT)
         self._finished = True
         self._close_watch()
-        # a thread still inside the source after the wait keeps it
-        if early and self._source_iter is not None and not self.in_source():
+        if early:
+            self._stop_source()
+
+    def _stop_source(self) -> None:
+        """End the source's iteration now (its DataLoader workers exit), unless the transfer
+        thread is still inside it (a stalled source keeps it)."""
+        if self._source_iter is not None and not self.in_source():
             stop_workers(self._source_iter, self.source)
             close_generator = getattr(self._source_iter, "close", None)
             if callable(close_generator):

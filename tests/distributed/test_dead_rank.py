@@ -9,6 +9,7 @@ the loader's ``timeout``; every other survivor hears of the failure from a leade
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import signal
 import time
@@ -101,7 +102,10 @@ def worker_crash(crash_on_dp: int):
         for _ in loader:
             steps += 1
     except Exception as e:
-        return {"error": type(e).__name__, "message": str(e), "steps": steps}
+        # the loop never closes the loader: the error itself must have stopped the workers (left
+        # to the garbage collector, each is joined for 5 s wherever it runs, a collective included)
+        workers = len(multiprocessing.active_children())
+        return {"error": type(e).__name__, "message": str(e), "steps": steps, "workers": workers}
     return {"error": None, "steps": steps}
 
 
@@ -113,6 +117,7 @@ def test_dataloader_worker_crash_is_a_leader_error_everywhere(worlds):
         assert f"leader rank {leader} (dp_rank 1)" in rec["message"], rec
         # what the DataLoader raised, as it saw the worker go: its own check, or the broken pipe
         assert "exited unexpectedly" in rec["message"] or "ConnectionResetError" in rec["message"], rec
+        assert rec["workers"] == 0, (rank, rec)  # both leaders' DataLoader workers, the healthy one's too
     # every rank stops at the same step, before the batch that holds sample 20 (step 11 of 32)
     assert len({rec["steps"] for rec in records}) == 1 and records[0]["steps"] < 11, records
 
