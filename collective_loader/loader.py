@@ -251,8 +251,11 @@ class CollectiveLoader:
         """Collectives and bytes this rank has sent and received through its delivery groups; on a
         leader whose source reports its own figures (a packing ``StreamingSource``'s
         ``packing_stats()``: documents, rows, padding, and with balancing the replicas' cost
-        max/mean), those too."""
+        max/mean), those too; on a leader under a per-document split, the work over the shard
+        ranks (``cp_cost_max_over_mean``, its ``_worst``, ``cp_padding``: see
+        :class:`~collective_loader.plan.documents.ShardWorkTally`)."""
         out: dict[str, float] = dict(self.settings.groups.traffic())
+        out.update(self.settings.shard_work.figures())
         figures = getattr(self._source, "packing_stats", None)
         if callable(figures):
             out.update(figures())

@@ -26,6 +26,8 @@ The two transports have one shape: ``step(k)`` (transfer thread, gloo only) then
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -39,6 +41,7 @@ from collective_loader.delivery.transport import Channel
 from collective_loader.delivery.watchdog import StallWatch
 from collective_loader.errors import BatchError, DeliveryError, LeaderError, WireError
 from collective_loader.plan import wire
+from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.wire import Header, Kind
 
 Batch = dict[str, Any]
@@ -46,6 +49,7 @@ Batch = dict[str, Any]
 # its own, instead of being copied into the step's message: the copy of a large tensor costs the
 # leader more than one more collective (16 MiB: docs/performance.md); below this, not measured
 APART_MIN_BYTES = 1 << 20
+log = logging.getLogger(__name__)
 # a leader whose source has not returned a batch after this share of `timeout` reports itself
 # stalled (by 0.8 x timeout, see StallWatch), so its peers, who wait at most `timeout` for it,
 # hear why before they give up
@@ -126,6 +130,7 @@ class LeaderStep(_Step):
                 batch = self._load(step)
                 state = self._source_state()
             self.settings.routing.check(batch)
+            self._count_shard_work(step, batch)
             packed = {name: self._pack(ch, step, batch) for name, ch in self._data_channels}
         except StopIteration:
             kind = Kind.END
@@ -137,6 +142,23 @@ class LeaderStep(_Step):
             return Item(Kind.SOURCE_ERROR, step)
         what = f"gave up delivering step {step} to its replica"
         return self._deliver_or_explain(what, step, kind, message, cause, packed, state)
+
+    def _count_shard_work(self, step: int, batch: Mapping[str, Any]) -> None:
+        """Under a per-document split over more than one shard rank: the micro-batch's work per
+        shard rank, into ``settings.shard_work`` (``stats()``) and the DEBUG log."""
+        split, sizes = self.settings.routing.split, [size for _, size in self.settings.routing.shard_dims]
+        if not isinstance(split, PerDocument) or math.prod(sizes) == 1:
+            return
+        work = split.work(split.documents(batch), sizes)
+        self.settings.shard_work.add(work)
+        log.debug(
+            "leader rank %d step %d: cost max/mean over the %d shard ranks %.3f, padding %.1f%%",
+            self.place.rank,
+            step,
+            len(work.costs),
+            work.max_over_mean,
+            100 * work.padding,
+        )
 
     def stalled(self, step: int) -> Item:
         """Watchdog thread: the source is still loading ``step``; say so on every rank."""

@@ -51,9 +51,11 @@ from collective_loader.plan.documents import (
     DOCUMENT_POSITIONS,
     Documents,
     PerDocument,
+    ShardWork,
     _offsets,
     _Own,
     _starts,
+    zigzag_work,
 )
 from collective_loader.plan.sharding import Levels
 
@@ -165,6 +167,18 @@ class BalancedDocuments(PerDocument):
             real = own.real.to(piece.device)
             stream[own.source.to(piece.device)[real]] = piece[0][real]
         return stream.unsqueeze(0)
+
+    def work(self, docs: Documents, sizes: Sequence[int]) -> ShardWork:
+        """Each shard rank's cost (at this split's ``linear_cost``) and slots for ``docs`` dealt
+        over shard dims of ``sizes``: what the loader's ``stats()`` reports."""
+        deal = Deal.of(docs.lengths, sizes, self.linear_cost, self.split_share)
+        whole = deal.owner >= 0
+        length = deal.lengths[whole].double()
+        costs = torch.zeros(deal.n, dtype=torch.float64)
+        costs.index_add_(0, deal.owner[whole], length * length + self.linear_cost * length)
+        split_costs, chunks = zigzag_work(deal.lengths[deal.split], sizes, self.linear_cost)
+        total = tuple(float(c) + s for c, s in zip(costs.tolist(), split_costs))
+        return ShardWork(total, chunks + deal.width, docs.tokens)
 
     def _fill(self, key: str, value: torch.Tensor, own: RankPart) -> torch.Tensor:
         flat = value.reshape(-1, *value.shape[2:])
@@ -328,7 +342,7 @@ def _deal(lengths: torch.Tensor, sizes: Sequence[int], linear_cost: float, split
     mean_cost, mean_tokens = float(cost.sum()) / n, float(length.sum()) / n
     split = (cost > split_share * mean_cost) | (length > split_share * mean_tokens)
     owner = torch.full((len(lengths),), -1, dtype=torch.int64)
-    loads = _split_costs(lengths[split], sizes, linear_cost)  # each rank's real work in its chunks
+    loads, _ = zigzag_work(lengths[split], sizes, linear_cost)  # each rank's real work in its chunks
     tokens = [0] * n
     whole_mean = float(length[~split].sum()) / n or 1.0  # whole-document tokens per rank
     costs, counts = cost.tolist(), lengths.tolist()
@@ -345,18 +359,3 @@ def _deal(lengths: torch.Tensor, sizes: Sequence[int], linear_cost: float, split
         loads[best] += costs[doc]
         tokens[best] += counts[doc]
     return owner
-
-
-def _split_costs(lengths: torch.Tensor, sizes: Sequence[int], linear_cost: float) -> list[float]:
-    """Each rank's cost in its chunks of documents of ``lengths`` split over ``sizes``: per real
-    query at position ``k``, ``2k + 1`` (a document's ``L**2`` summed over its queries) plus ``c``."""
-    n = math.prod(sizes)
-    if not len(lengths):
-        return [0.0] * n
-    docs = Documents(lengths)
-    out = []
-    for index in range(n):
-        own = _Own.of(docs, _levels(sizes, index))
-        real = own.beyond == 0
-        out.append(float((2 * own.position[real] + 1 + linear_cost).double().sum()))
-    return out

@@ -233,6 +233,12 @@ class PerDocument:
             stream[own.padded_index.to(stream.device)] = piece[0]
         return stream[owns[0].real_index.to(stream.device)].unsqueeze(0)
 
+    def work(self, docs: Documents, sizes: Sequence[int]) -> ShardWork:
+        """Each shard rank's attention work and slots for ``docs`` split over shard dims of
+        ``sizes``: what the loader's ``stats()`` reports (``c = 0``: attention alone)."""
+        costs, slots = zigzag_work(docs.lengths, sizes, 0.0)
+        return ShardWork(tuple(costs), slots, docs.tokens)
+
     def _take(self, key: str, value: torch.Tensor, own: _Own) -> torch.Tensor:
         flat = value.reshape(-1, *value.shape[2:])
         out = flat.index_select(0, own.source.to(value.device))
@@ -316,6 +322,93 @@ class _Own:
             DOCUMENT_IDS: self.document.unsqueeze(0).to(device),
             DOCUMENT_POSITIONS: self.position.unsqueeze(0).to(device),
         }
+
+
+@dataclass(frozen=True)
+class ShardWork:
+    """One micro-batch's work per shard rank under a per-document split.
+
+    ``costs``: (n,) each rank's cost, ``2k + 1 + c`` summed over its real query tokens (``k``: the
+    query's position in its document; a document of ``L`` tokens costs ``L**2 + c * L`` in all, the
+    cost model of :class:`~collective_loader.plan.balanced.BalancedDocuments`); ``slots``: the
+    tokens each rank holds, padding included; ``tokens``: the micro-batch's real tokens.
+
+    >>> work = ShardWork(costs=(3.0, 1.0), slots=4, tokens=6)
+    >>> work.max_over_mean, round(work.padding, 3)
+    (1.5, 0.333)
+    """
+
+    costs: tuple[float, ...]
+    slots: int
+    tokens: int
+
+    @property
+    def max_over_mean(self) -> float:
+        """The costliest rank's cost over the mean: 1.0 when no rank waits for another."""
+        mean = sum(self.costs) / len(self.costs)
+        return max(self.costs) / mean if mean > 0 else 1.0
+
+    @property
+    def padding(self) -> float:
+        """Padding overhead: every rank's slots over the real tokens, minus 1."""
+        return len(self.costs) * self.slots / self.tokens - 1 if self.tokens else 0.0
+
+
+class ShardWorkTally:
+    """Running figures over the micro-batches a leader split (its loader's ``stats()``).
+
+    >>> tally = ShardWorkTally()
+    >>> tally.add(ShardWork((3.0, 1.0), 4, 6)); tally.add(ShardWork((1.0, 1.0), 3, 6))
+    >>> tally.figures()
+    {'cp_micro_batches': 2, 'cp_cost_max_over_mean': 1.25, 'cp_cost_max_over_mean_worst': 1.5, 'cp_padding': 0.1667}
+    """
+
+    def __init__(self) -> None:
+        self.batches, self.balance_sum, self.worst, self.slots, self.tokens = 0, 0.0, 1.0, 0, 0
+
+    def add(self, work: ShardWork) -> None:
+        self.batches += 1
+        self.balance_sum += work.max_over_mean
+        self.worst = max(self.worst, work.max_over_mean)
+        self.slots += len(work.costs) * work.slots
+        self.tokens += work.tokens
+
+    def figures(self) -> dict[str, float]:
+        """``cp_cost_max_over_mean``: the mean over micro-batches of max / mean cost over the shard
+        ranks (``_worst``: the largest); ``cp_padding``: all slots over all real tokens, minus 1.
+        Empty before the first split micro-batch."""
+        if not self.batches:
+            return {}
+        return {
+            "cp_micro_batches": self.batches,
+            "cp_cost_max_over_mean": round(self.balance_sum / self.batches, 4),
+            "cp_cost_max_over_mean_worst": round(self.worst, 4),
+            "cp_padding": round(self.slots / self.tokens - 1, 4) if self.tokens else 0.0,
+        }
+
+
+def zigzag_work(lengths: torch.Tensor, sizes: Sequence[int], linear_cost: float) -> tuple[list[float], int]:
+    """Each shard rank's cost, and the slots each holds, when every document of ``lengths`` is
+    split over shard dims of ``sizes`` as :class:`PerDocument` splits it. A rank's cost is
+    ``2k + 1 + linear_cost`` summed over its real tokens at position ``k``: over positions
+    ``[a, b)`` of a document, ``b**2 - a**2 + linear_cost * (b - a)``, so each of the ``m``
+    chunks of every document is priced in closed form (``O(documents x m)``, no token lists).
+
+    >>> # chunks of 1 token, rank 0 keeping chunks 0 and 3, rank 1 chunks 1 and 2; the second
+    >>> # document's chunk 3 is padding: rank 0 costs (1 + 7) + 1, rank 1 (3 + 5) + (3 + 5)
+    >>> zigzag_work(torch.tensor([4, 3]), [2], 0.0)
+    ([9.0, 16.0], 4)
+    """
+    levels = [(size, 0) for size in sizes]
+    multiple = sharding.divisor(levels, "zigzag")
+    unit = (lengths + multiple - 1) // multiple
+    edges = torch.minimum(torch.arange(multiple + 1) * unit[:, None], lengths[:, None]).double()
+    per_chunk = (edges[:, 1:] ** 2 - edges[:, :-1] ** 2 + linear_cost * (edges[:, 1:] - edges[:, :-1])).sum(0)
+    costs = []
+    for index in itertools.product(*(range(size) for size in sizes)):
+        held = sharding.shard(torch.arange(multiple), 0, list(zip(sizes, index)), "zigzag")
+        costs.append(float(per_chunk[held].sum()))
+    return costs, int(unit.sum()) * multiple // math.prod(sizes)
 
 
 def _starts(lengths: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,8 @@ def run_rank(dims, shape, **options):
         "stage": place.stage,
         "shard": place.shard,
         "steps": steps,
+        "leader": place.is_leader,
+        "stats": loader.stats(),
     }
 
 
@@ -103,6 +105,30 @@ def verify(records) -> int:
     return whole
 
 
+def shard_work(records, dp_rank: int) -> dict[str, float]:
+    """What a leader's ``stats()`` must say of its replica's work over the cp ranks, recomputed
+    from the pieces the cp ranks received: per rank ``2k + 1 + c`` over its real tokens (``k``:
+    the token's position in its document), max / mean per step, and every slot over the real tokens."""
+    ordered = sorted((r for r in records if r["dp_rank"] == dp_rank), key=lambda r: r["shard"])
+    balances, slots, tokens = [], 0, 0
+    for pieces in zip(*(r["steps"] for r in ordered)):
+        lengths = SPLIT.documents(packed_batch(pieces[0]["sample_id"].tolist())).lengths
+        costs = []
+        for p in pieces:
+            doc, pos = p["document_ids"][0], p["document_positions"][0]
+            real = (doc >= 0) & (pos < lengths[doc.clamp(min=0)])
+            costs.append(float((2 * pos[real] + 1).sum()) + SPLIT.linear_cost * int(real.sum()))
+            slots += doc.numel()
+        balances.append(max(costs) / (sum(costs) / len(costs)))
+        tokens += int(lengths.sum())
+    return {
+        "cp_micro_batches": len(balances),
+        "cp_cost_max_over_mean": sum(balances) / len(balances),
+        "cp_cost_max_over_mean_worst": max(balances),
+        "cp_padding": slots / tokens - 1,
+    }
+
+
 @pytest.fixture(scope="module")
 def world(worlds):
     return worlds.get(4)
@@ -114,6 +140,12 @@ def test_dp2_cp2(world, delivery):
     assert verify(records) > 0
     split = [int(len(p["split_documents"])) for r in records for p in r["steps"]]
     assert sum(split) > 0  # both kinds of document travelled
+    for leader in (r for r in records if r["leader"]):
+        want = shard_work(records, leader["dp_rank"])
+        assert leader["stats"]["cp_micro_batches"] == want["cp_micro_batches"]
+        for key in ("cp_cost_max_over_mean", "cp_cost_max_over_mean_worst", "cp_padding"):
+            assert leader["stats"][key] == pytest.approx(want[key], abs=1e-4), (key, leader["stats"], want)
+    assert not any("cp_padding" in r["stats"] for r in records if not r["leader"])  # leaders only
 
 
 def test_pp2_cp2_scatter_every_stage_gets_its_metadata(world):

@@ -144,6 +144,31 @@ def test_tiny_documents_stay_whole_and_balance_where_per_document_pads_most():
     assert work["PerDocument"][0] > 1.3 and work["PerDocument"][1] > 0.3, work  # what it replaces
 
 
+@given(mix=mixes(), sizes=st.sampled_from(SIZES), c=st.sampled_from([0.0, 7.0]))
+@settings(max_examples=40, deadline=None)
+def test_the_work_figures_are_those_of_the_pieces_each_rank_gets(mix, sizes, c):
+    """``work()`` (what a leader's ``stats()`` sums) equals what the pieces hold: per rank, ``2k + 1
+    + c`` over its real tokens at position ``k``; its slots; for both splits (PerDocument: c = 0)."""
+    layout, length, seed = mix
+    batch = random_batch(layout, length, seed)
+    options = {"cu_seqlens": "cu_seqlens", "positions": "positions", "pad_values": {"labels": -100, "loss_mask": 0}}
+    for split in (PerDocument(**options), BalancedDocuments(**options, linear_cost=c)):
+        docs = split.documents(batch)
+        pieces = [
+            split.piece(batch, dict.fromkeys(SEQ_KEYS, 1), list(zip(sizes, index)))
+            for index in itertools.product(*(range(s) for s in sizes))
+        ]
+        linear = getattr(split, "linear_cost", 0.0)
+        costs = []
+        for p in pieces:
+            doc, pos = p["document_ids"][0], p["document_positions"][0]
+            real = (doc >= 0) & (pos < docs.lengths[doc.clamp(min=0)])
+            costs.append(float((2 * pos[real] + 1).sum()) + linear * int(real.sum()))
+        work = split.work(docs, sizes)
+        assert work.costs == pytest.approx(costs) and work.tokens == length * len(layout), (split, work, costs)
+        assert {p["document_ids"].shape[1] for p in pieces} == {work.slots}
+
+
 def test_one_shard_rank_holds_every_document_whole_without_padding():
     batch = random_batch([[3, 5], [8]], 8, 0)
     piece = routing_for((1,)).piece(batch, [(1, 0)])
