@@ -1,0 +1,381 @@
+"""Balanced packing: attention cost per data-parallel replica and per cp rank, off vs on.
+
+    python bench/balance.py            # bench/results/balance.{json,md} (run time: bench/README.md)
+    python bench/balance.py --quick    # fewer steps, one round of the end-to-end measure
+
+1. Arithmetic, on the library's own code: each of ``dp`` leaders packs its own stream of
+   documents drawn from a mix (:class:`~collective_loader.text.packing.Packer`, rows of
+   ``seq_len + 1`` tokens, ``ROWS`` rows per replica and step; one case again with ``MORE_ROWS``), then
+   :func:`~collective_loader.text.balance.place` places the step's pieces over the replicas. A
+   replica's cost is the sum over its rows of ``sum(L**2) + c * sum(L)`` over the rows' pieces.
+   Per step the balance is max / mean cost over the replicas (1.0: no replica waits for another);
+   the table gives its mean over the steps, as packed and as placed, with ``c = 0`` (attention
+   alone) and ``c = 6 * 4096`` (a 4096-wide model). Padding overhead = token slots / real tokens - 1
+   (the same with and without balancing: rows stay full). Beside it, a floor no placement that
+   keeps pieces whole can beat: the replica holding the step's longest piece also holds
+   ``ROWS * (seq_len + 1)`` tokens in all, at best the step's shortest pieces.
+2. A real world of dp = 2 x cp = 2 on MDS datasets of the tiny and long-tail mixes: off (each
+   leader delivers the rows it packed, ``PerDocument`` over cp) vs on (``Balance()``,
+   ``BalancedDocuments``); the leaders' ``stats()`` give cost max/mean over the replicas (as packed
+   and as placed) and over the cp ranks, and the padding the cp split adds.
+   Per-cp-rank cost from the rows alone, at cp 2, 4 and 8: ``bench/cp_balance.py``.
+3. End to end: a gloo world of dp = 2 leaders streaming a real MDS dataset of the long-tail mix
+   through :class:`~collective_loader.CollectiveLoader`; the "model" sleeps in proportion to its
+   batch's attention cost (``sum(L**2)`` from ``cu_seqlens``), then all-reduces a gradient-sized
+   tensor (every replica waits for the slowest, as in training). Steps per second, balancing off vs
+   on, alternating over rounds.
+
+Targets (issue 29): mean max/mean over replicas <= 1.05 on every mix at dp 2, 4 and 8, and over
+cp ranks at cp 2 with padding <= 10%; the balanced end-to-end run faster on the long-tail mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+from harness import Run, keep, runs_of, table, worlds_in_rounds  # bench/harness.py: run as python bench/<name>.py
+
+from collective_loader.testing import launch
+from collective_loader.text.balance import place, place_in_blocks, replica_costs
+from collective_loader.text.packing import Packer
+
+TARGET = 1.05
+DPS = (2, 4, 8)
+ROWS = 4  # rows per replica and step
+MORE_ROWS = ("long tail", 8, 8)  # (mix, dp, rows): one case again with more rows per replica and step
+WORLD_ROWS = 2  # rows per replica and step in the dp = 2 x cp = 2 world
+WIDE = 6 * 4096  # c for a 4096-wide model (see text/balance.py)
+
+
+def mixes() -> dict[str, tuple[str, int, object]]:
+    """name -> (description, seq_len, draw(rng) -> one document's length)."""
+    return {
+        "tiny": ("uniform 1-30 tokens", 8192, lambda rng: int(rng.integers(1, 31))),
+        "all short": ("uniform 64-1024 tokens", 8192, lambda rng: int(rng.integers(64, 1025))),
+        "log-normal": (
+            "log-normal, median 665 tokens, sigma 1.5, 16 to 8192",
+            8192,
+            lambda rng: int(np.clip(rng.lognormal(6.5, 1.5), 16, 8192)),
+        ),
+        "one long + many short": (
+            "one of 4096 tokens in 16, else uniform 64-1024",
+            8192,
+            lambda rng: 4096 if rng.random() < 1 / 16 else int(rng.integers(64, 1025)),
+        ),
+        "single document": ("every document fills a row", 8192, lambda rng: 8193),
+        "long tail": (
+            "log-normal, median 1000 tokens, sigma 1.2, at most 32768 (rows of 32k)",
+            32768,
+            lambda rng: int(np.clip(rng.lognormal(np.log(1000), 1.2), 1, 32768)),
+        ),
+    }
+
+
+def packed_steps(draw, seq_len: int, dp: int, steps: int, seed: int, rows_per_step: int) -> list[list[list[list[int]]]]:
+    """``steps`` steps of every leader's rows (piece lengths) as its own packer cuts them."""
+    out: list[list[list[list[int]]]] = [[] for _ in range(steps)]
+    for leader in range(dp):
+        rng = np.random.default_rng([seed, leader])
+        packer = Packer(seq_len)
+        for k in range(steps):
+            rows = []
+            while len(rows) < rows_per_step:
+                row = packer.next_row()
+                if row is None:
+                    packer.add(None, np.zeros(draw(rng), np.int64))
+                    continue
+                rows.append(row.pieces)
+            out[k].append(rows)
+    return out
+
+
+def ratio(costs: list[float]) -> float:
+    return max(costs) / statistics.fmean(costs)
+
+
+def floor(rows: list[list[list[int]]], capacity: int) -> float:
+    """The least max / mean attention cost over the replicas of any placement of one step's pieces
+    that keeps them whole: the replica of the longest piece ``P`` fills all its rows of ``capacity``
+    tokens, at best, with the shortest other pieces (the last one cut to fit). ``rows[j][r]``: the
+    piece lengths of leader ``j``'s row ``r``, every row full."""
+    pieces = sorted(n for leader in rows for row in leader for n in row)
+    mean = sum(n * n for n in pieces) / len(rows)
+    longest, need, fill = pieces[-1], len(rows[0]) * capacity - pieces[-1], 0
+    for n in pieces[:-1]:
+        k = min(n, need)
+        fill, need = fill + k * k, need - k
+        if not need:
+            break
+    return max(1.0, (longest * longest + fill) / mean)
+
+
+def arithmetic(steps: int) -> list[dict]:
+    cases = [(name, dp, ROWS) for name in mixes() for dp in DPS] + [MORE_ROWS]
+    return [case(name, dp, rows, steps) for name, dp, rows in cases]
+
+
+def case(name: str, dp: int, rows_per_step: int, steps: int) -> dict:
+    _, seq_len, draw = mixes()[name]
+    record = {"mix": name, "dp": dp, "rows": rows_per_step, "steps": steps}
+    per_step = packed_steps(draw, seq_len, dp, steps, dp, rows_per_step)
+    record["attention_floor"] = statistics.fmean(floor(rows, seq_len + 1) for rows in per_step)
+    for label, c in (("attention", 0.0), ("wide", float(WIDE))):
+        packed, placed = [], []
+        for rows in per_step:
+            out = place(rows, rows_per_step, seq_len + 1, c)
+            packed.append(ratio(replica_costs(rows, c)))
+            placed.append(ratio(replica_costs([[[p.length for p in r] for r in rep] for rep in out], c)))
+        record[f"{label}_packed"] = statistics.fmean(packed)
+        record[f"{label}_placed"] = statistics.fmean(placed)
+        record[f"{label}_placed_worst"] = max(placed)
+    by_row = []  # Balance(rows=1), as TorchTitan's --dataloader.balance places them
+    for rows in per_step:
+        out = place_in_blocks(rows, rows_per_step, seq_len + 1, 0.0, 1)
+        by_row.append(ratio(replica_costs([[[p.length for p in r] for r in rep] for rep in out], 0.0)))
+    record["attention_by_row"] = statistics.fmean(by_row)
+    slots = steps * dp * rows_per_step * (seq_len + 1)
+    real = sum(n for rows in per_step for leader in rows for row in leader for n in row)
+    record["padding"] = slots / real - 1
+    return record
+
+
+# --- a real world of dp = 2 x cp = 2 --------------------------------------------------------------
+
+WORLD_MIXES = {"tiny": 2048, "long tail": 64}  # mix -> documents per sample-batch (a batch's worth or more)
+
+
+def world_rank_main(args: tuple[str, int, int, str, str]) -> int:
+    """On every rank of a dp = 2 x cp = 2 world: one epoch, off (``PerDocument``, rows as packed)
+    or on (``Balance()``, ``BalancedDocuments``); the leaders keep their ``stats()``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from collective_loader import BalancedDocuments, CollectiveLoader, PerDocument
+    from collective_loader.streaming import StreamingSource
+    from collective_loader.text import Balance, Packing, TokenColumn
+
+    path, seq_len, documents, variant, out = args
+    on = variant == "on"
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    source = StreamingSource(
+        mesh,
+        local=path,
+        batch_size=WORLD_ROWS,
+        shuffle=True,
+        shuffle_seed=5,
+        layout=TokenColumn(dtype="uint16"),
+        packing=Packing(seq_len, "drop", ("cu_seqlens",), Balance() if on else None),
+        documents_per_batch=documents,
+    )
+    split = (BalancedDocuments if on else PerDocument)(cu_seqlens="cu_seqlens", pad_values={"labels": -100})
+    keys = {"input_ids": 1, "labels": 1}
+    loader = CollectiveLoader(
+        source, mesh, inputs=("input_ids",), labels=("labels",), every_stage=("cu_seqlens",), seq_dims=keys, split=split
+    )
+    steps = sum(1 for _ in loader)
+    loader.close()
+    keep(out, {"variant": variant, "leader": loader.place.is_leader, "steps": steps, "stats": loader.stats()})
+    return 0
+
+
+def world(tokens: int) -> list[dict]:
+    """Per mix, off and on: the leaders' figures (mean over the two leaders)."""
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mix, documents in WORLD_MIXES.items():
+            path, out = os.path.join(tmp, mix), os.path.join(tmp, f"{mix}.records")
+            mix_dataset(path, mix, tokens)
+            seq_len = mixes()[mix][1]
+            for variant in ("off", "on"):
+                code = launch.run(world_rank_main, (path, seq_len, documents, variant, out), 4, timeout=900)
+                if code:
+                    raise SystemExit(f"{mix} {variant}: the dp = 2 x cp = 2 world failed with exit code {code}")
+            for ranks in runs_of(out):
+                leaders = [r["stats"] for r in ranks if r["leader"]]
+                record = {"mix": mix, "variant": ranks[0]["variant"], "steps": ranks[0]["steps"]}
+                for key in ("cost_max_over_mean_packed", "cost_max_over_mean", "cp_cost_max_over_mean", "cp_padding"):
+                    if key in leaders[0]:
+                        record[key] = statistics.fmean(s[key] for s in leaders)
+                records.append(record)
+    return records
+
+
+# --- end to end -----------------------------------------------------------------------------------
+
+SECONDS_PER_COST = 1e-10  # the "model": a 32k-token document alone sleeps 107 ms
+
+
+def mix_dataset(path: str, mix: str, tokens: int) -> None:
+    """An MDS dataset of at least ``tokens`` tokens in documents of ``mix`` (one per sample)."""
+    from collective_loader.testing.data import write_token_documents
+
+    rng = np.random.default_rng(11)
+    draw = mixes()[mix][2]
+    docs, total = [], 0
+    while total < tokens:
+        n = draw(rng)  # type: ignore[operator]
+        docs.append(rng.integers(1, 60000, size=n).astype(np.int64))
+        total += n
+    write_token_documents(path, docs, "bytes", "uint16", shard_bytes=1 << 22)
+
+
+def rank_main(args: tuple[str, str, str]) -> int:
+    """On every rank of a dp = 2 world: one epoch, balancing off or on; keeps seconds per step."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from collective_loader import CollectiveLoader
+    from collective_loader.streaming import StreamingSource
+    from collective_loader.text import Balance, Packing, TokenColumn
+
+    path, variant, out = args
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    packing = Packing(32768, "drop", ("cu_seqlens",), Balance() if variant == "on" else None)
+    source = StreamingSource(
+        mesh,
+        local=path,
+        batch_size=2,
+        shuffle=True,
+        shuffle_seed=5,
+        layout=TokenColumn(dtype="uint16"),
+        packing=packing,
+        documents_per_batch=64,
+    )
+    loader = CollectiveLoader(source, mesh, inputs=("input_ids",), labels=("labels",), every_stage=("cu_seqlens",))
+    grad = torch.zeros(1 << 18)
+    seconds, costs = [], []
+    start = time.perf_counter()
+    for batch in loader:
+        lengths = batch["cu_seqlens"].diff(dim=1).double()
+        cost = float((lengths**2).sum())
+        time.sleep(cost * SECONDS_PER_COST)  # forward and backward, in proportion to attention
+        dist.all_reduce(grad)  # every replica waits for the slowest
+        costs.append(cost)
+        now = time.perf_counter()
+        seconds.append(now - start)
+        start = now
+    loader.close()
+    keep(out, {"variant": variant, "seconds": seconds[1:], "costs": costs})
+    return 0
+
+
+def end_to_end(rounds: int, tokens: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path, out = os.path.join(tmp, "long_tail"), os.path.join(tmp, "records")
+        mix_dataset(path, "long tail", tokens)
+        code = worlds_in_rounds(
+            ("off", "on"), rounds, lambda v, r: launch.run(rank_main, (path, v, out), 2, timeout=900)
+        )
+        if code:
+            raise SystemExit(code)
+        runs = runs_of(out)
+    result: dict = {"off": {"steps_per_second": []}, "on": {"steps_per_second": []}}
+    for ranks in runs:
+        mine, variant = ranks[0], ranks[0]["variant"]
+        result[variant]["steps_per_second"].append(len(mine["seconds"]) / sum(mine["seconds"]))
+        result[variant]["steps"] = len(mine["seconds"]) + 1
+        # the model's time alone: each step waits for the costlier replica
+        slowest = [max(costs) for costs in zip(*(r["costs"] for r in ranks))][1:]
+        result[variant]["model_seconds"] = sum(slowest) * SECONDS_PER_COST
+        result[variant]["seconds"] = sum(mine["seconds"])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="20 steps per case, smaller worlds, one round end to end")
+    args = parser.parse_args()
+    run = Run("balance.py")
+    steps = 20 if args.quick else 100
+    records = arithmetic(steps)
+    in_world = world(300_000 if args.quick else 1_500_000)
+    e2e = end_to_end(1 if args.quick else 3, 1_500_000 if args.quick else 6_000_000)
+    rows = []
+    for r in records:
+        met = "met" if r["attention_placed"] <= TARGET else "**not met**"
+        rows.append(
+            (
+                r["mix"],
+                r["dp"],
+                r["rows"],
+                f"{r['attention_packed']:.3f}",
+                f"{r['attention_placed']:.3f}",
+                f"{r['attention_placed_worst']:.3f}",
+                f"{r['attention_floor']:.3f}",
+                f"{r['attention_by_row']:.3f}",
+                f"{r['wide_packed']:.3f}",
+                f"{r['wide_placed']:.3f}",
+                f"{r['padding']:.2%}",
+                met,
+            )
+        )
+    world_rows = []
+    for mix in WORLD_MIXES:
+        off, on = (next(r for r in in_world if r["mix"] == mix and r["variant"] == v) for v in ("off", "on"))
+        world_rows.append(
+            (
+                mix,
+                on["steps"],
+                f"{on['cost_max_over_mean_packed']:.3f}",
+                f"{on['cost_max_over_mean']:.3f}",
+                f"{off['cp_cost_max_over_mean']:.3f}",
+                f"{off['cp_padding']:.2%}",
+                f"{on['cp_cost_max_over_mean']:.3f}",
+                f"{on['cp_padding']:.2%}",
+            )
+        )
+    off, on = (statistics.median(e2e[k]["steps_per_second"]) for k in ("off", "on"))
+    body = [
+        f"Arithmetic: each of dp leaders packs its own documents of the mix (*rows* per replica and step: {ROWS}, "
+        f"and {MORE_ROWS[2]} once more for {MORE_ROWS[0]} at dp {MORE_ROWS[1]}; {steps} steps, seed = dp); the step's pieces are placed by `text.balance.place`. Balance = max / mean "
+        "replica cost per step, mean over the steps (worst step beside it); cost = sum(L^2) + c sum(L) per row; "
+        f"c = 0 (attention) and c = {WIDE} (6 x 4096); *floor*: the least any placement that keeps pieces whole "
+        "can reach (the replica of the step's longest piece fills its rows, at best, with the step's shortest "
+        "pieces), mean over the steps; *row by row*: `Balance(rows=1)`, each row slot placed on its own, as "
+        "TorchTitan's `--dataloader.balance` does. Padding = slots / real tokens - 1, the same either way. "
+        f"Target: balanced <= {TARGET} with c = 0.",
+        "",
+        *table(
+            "mix | dp | rows | packed (c=0) | balanced (c=0) | worst step | floor (c=0) | row by row (c=0) | packed (c=6d) "
+            "| balanced (c=6d) | padding | target",
+            rows,
+        ),
+        "Mixes: " + "; ".join(f"*{name}*: {desc}" for name, (desc, _, _) in mixes().items()) + ".",
+        "",
+        f"A real world of dp = 2 x cp = 2 (4 gloo ranks), one epoch of an MDS dataset of each mix ({WORLD_ROWS} rows "
+        "per replica and step, rows of the mix's length, the epoch's partial end dropped); off: rows as each leader "
+        "packed them, `PerDocument` over cp; on: `Balance()`, `BalancedDocuments()`. Figures from the leaders' "
+        "`stats()`, mean of the two: over the replicas, cost max/mean as packed (= off) and as placed (on); over "
+        "the cp ranks, cost max/mean per micro-batch (one step's rows) and the padding the split adds.",
+        "",
+        *table(
+            "mix | steps | replicas: off | replicas: on | cp ranks: off | cp padding: off | cp ranks: on "
+            "| cp padding: on",
+            world_rows,
+        ),
+        f"End to end (long tail, rows of 32768, 2 rows per replica, dp = 2, {e2e['off']['steps']} steps per epoch): "
+        f"each step sleeps {SECONDS_PER_COST:g} s per unit of sum(L^2) of its batch, then all-reduces 1 MiB. "
+        f"Steps per second per round, off: {', '.join(f'{x:.2f}' for x in e2e['off']['steps_per_second'])}; "
+        f"on: {', '.join(f'{x:.2f}' for x in e2e['on']['steps_per_second'])}. Median {off:.2f} vs {on:.2f}: "
+        f"balanced {on / off - 1:+.1%}. Of the last round's {e2e['off']['seconds']:.2f} s (off) and "
+        f"{e2e['on']['seconds']:.2f} s (on), the model's sleep of the costlier replica was "
+        f"{e2e['off']['model_seconds']:.2f} s and {e2e['on']['model_seconds']:.2f} s; the rest is loading, delivery and "
+        "the all-reduce.",
+    ]
+    results = {
+        "meta": run.meta(steps=steps, rows=ROWS),
+        "arithmetic": records,
+        "world_dp2_cp2": in_world,
+        "end_to_end": e2e,
+    }
+    run.write("balance", "Balanced packing: cost per replica and per cp rank, off vs on", results, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
