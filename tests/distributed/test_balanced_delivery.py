@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import pytest
 import ranks
-import torch
 import torch.distributed as dist
-from packed_documents import SEQ_KEYS, check_balanced_attention, packed_batch, packed_row
-from torch.utils.data import DataLoader, Dataset
+from packed_documents import SEQ_KEYS, Rows, check_balanced_attention, packed_batch
+from torch.utils.data import DataLoader
 
 from collective_loader import BalancedDocuments, CollectiveLoader, ConfigMismatchError, ConstructionError, mesh_place
 from collective_loader.plan.routing import Routing
@@ -29,20 +28,6 @@ SPLIT = BalancedDocuments(cu_seqlens="cu_seqlens", positions="position_ids", pad
 INPUTS = ("input_ids", "position_ids", "sequence_id", "q", "k", "v", "sample_id")
 
 
-class Rows(Dataset):
-    """Replica ``dp_rank``'s strided share of the packed rows (``keys`` of each)."""
-
-    def __init__(self, dp_rank: int, dp_size: int, keys: tuple[str, ...]) -> None:
-        self.ids = list(range(dp_rank, SAMPLES, dp_size))
-        self.keys = keys
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in packed_row(self.ids[i]).items() if k in self.keys}
-
-
 def routing_for(split: BalancedDocuments = SPLIT) -> Routing:
     return Routing(
         INPUTS, ("labels", "loss_mask", "sample_id"), dict.fromkeys(SEQ_KEYS, 1), split, every_stage=("cu_seqlens",)
@@ -53,7 +38,7 @@ def make_loader(mesh, routing: Routing, **options) -> CollectiveLoader:
     place = mesh_place(mesh, dist.get_rank())
 
     def source():
-        return DataLoader(Rows(place.dp_rank, place.dp_size, routing.keys), batch_size=BATCH)
+        return DataLoader(Rows(place.dp_rank, place.dp_size, routing.keys, SAMPLES), batch_size=BATCH)
 
     keys = dict(
         inputs=routing.inputs, labels=routing.labels, every_stage=routing.every_stage, seq_dims=routing.seq_dims

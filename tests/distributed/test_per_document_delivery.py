@@ -16,8 +16,8 @@ import pytest
 import ranks
 import torch
 import torch.distributed as dist
-from packed_documents import SEQ_KEYS, check_attention, packed_batch, packed_row
-from torch.utils.data import DataLoader, Dataset
+from packed_documents import SEQ_KEYS, Rows, check_attention, packed_batch
+from torch.utils.data import DataLoader
 
 from collective_loader import CollectiveLoader, PerDocument, mesh_place
 from collective_loader.plan.routing import Routing
@@ -31,20 +31,6 @@ SPLITS = {
     "cu_seqlens": PerDocument(cu_seqlens="cu_seqlens", positions="position_ids", pad_values=PAD),
     "position_ids": PerDocument(positions="position_ids", pad_values=PAD),
 }
-
-
-class Rows(Dataset):
-    """Replica ``dp_rank``'s strided share of the packed rows (``keys`` of each)."""
-
-    def __init__(self, dp_rank: int, dp_size: int, keys: tuple[str, ...]) -> None:
-        self.ids = list(range(dp_rank, SAMPLES, dp_size))
-        self.keys = keys
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in packed_row(self.ids[i]).items() if k in self.keys}
 
 
 def routing_for(boundary: str) -> Routing:
@@ -64,7 +50,7 @@ def run_rank(dims, shape, boundary: str, **options):
     routing = routing_for(boundary)
 
     def source():
-        return DataLoader(Rows(place.dp_rank, place.dp_size, routing.keys), batch_size=BATCH)
+        return DataLoader(Rows(place.dp_rank, place.dp_size, routing.keys, SAMPLES), batch_size=BATCH)
 
     loader = CollectiveLoader(
         source,

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.data
 
 from collective_loader.plan.balanced import BalancedDocuments
 from collective_loader.plan.documents import PerDocument
@@ -64,6 +65,41 @@ def packed_batch(ids: Sequence[int], keys: Sequence[str] | None = None) -> dict[
     """The batch a DataLoader's default collate makes of these rows (only ``keys``, if given)."""
     rows = [packed_row(i) for i in ids]
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0] if keys is None or k in keys}
+
+
+def random_batch(layout: Sequence[Sequence[int]], length: int, seed: int) -> dict[str, torch.Tensor]:
+    """Rows of documents of the lengths in ``layout`` (each row's summing to ``length``): random
+    float64 ``q``, ``k``, ``v`` of shape ``(rows, length, HEADS, DIM)``, ``labels`` (10% already
+    -100), a ``loss_mask`` and the fixed-width ``cu_seqlens`` of the rows."""
+    rows = len(layout)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(rows, length, HEADS, DIM, generator=gen, dtype=torch.float64) for _ in range(3))
+    labels = torch.randint(0, 1000, (rows, length), generator=gen)
+    labels[torch.rand(rows, length, generator=gen) < 0.1] = -100  # already ignored: must stay so
+    width = max(len(row) for row in layout) + 1
+    offsets = [[0, *itertools.accumulate(row)] for row in layout]
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "labels": labels,
+        "loss_mask": (labels % 5 != 0).float(),
+        "cu_seqlens": torch.tensor([o + [length] * (width - len(o)) for o in offsets], dtype=torch.int32),
+    }
+
+
+class Rows(torch.utils.data.Dataset):
+    """Replica ``dp_rank``'s strided share of the packed rows ``0 .. samples - 1`` (``keys`` of each)."""
+
+    def __init__(self, dp_rank: int, dp_size: int, keys: tuple[str, ...], samples: int) -> None:
+        self.ids = list(range(dp_rank, samples, dp_size))
+        self.keys = keys
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in packed_row(self.ids[i]).items() if k in self.keys}
 
 
 def own_chunks(levels: Sequence[tuple[int, int]]) -> list[int]:

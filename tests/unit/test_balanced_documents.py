@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from packed_documents import DIM, HEADS, check_balanced_attention
+from packed_documents import DIM, HEADS, check_balanced_attention, random_batch
 
 from collective_loader import BalancedDocuments, PerDocument
 from collective_loader.errors import BatchError
@@ -44,23 +44,11 @@ def mixes(draw):
     return layout, length, draw(st.integers(0, 2**31 - 1))
 
 
-def random_batch(layout, length, seed):
-    rows = len(layout)
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(rows, length, HEADS, DIM, generator=gen, dtype=torch.float64) for _ in range(3))
-    labels = torch.randint(0, 1000, (rows, length), generator=gen)
-    labels[torch.rand(rows, length, generator=gen) < 0.1] = -100  # already ignored: must stay so
-    width = max(len(row) for row in layout) + 1
-    offsets = [[0, *itertools.accumulate(row)] for row in layout]
-    return {
-        "q": q,
-        "k": k,
-        "v": v,
-        "labels": labels,
-        "loss_mask": (labels % 5 != 0).float(),
-        "positions": torch.cat([torch.arange(n) for row in layout for n in row]).view(rows, length),
-        "cu_seqlens": torch.tensor([o + [length] * (width - len(o)) for o in offsets], dtype=torch.int32),
-    }
+def positioned_batch(layout, length, seed):
+    """:func:`packed_documents.random_batch` with each token's position in its document."""
+    batch = random_batch(layout, length, seed)
+    batch["positions"] = torch.cat([torch.arange(n) for row in layout for n in row]).view(len(layout), length)
+    return batch
 
 
 def routing_for(sizes, **options):
@@ -79,7 +67,7 @@ def all_pieces(routing, batch, sizes):
 @given(mix=mixes(), sizes=st.sampled_from(SIZES), share=st.sampled_from([0.05, 0.3, 2.0]))
 @settings(max_examples=60, deadline=None)
 def test_every_ranks_attention_from_what_it_received_equals_per_document_sdpa(mix, sizes, share):
-    batch = random_batch(*mix)
+    batch = positioned_batch(*mix)
     routing = routing_for(sizes, split_share=share)
     assert isinstance(routing.split, BalancedDocuments)
     routing.check(batch)
@@ -89,7 +77,7 @@ def test_every_ranks_attention_from_what_it_received_equals_per_document_sdpa(mi
 @given(mix=mixes(), sizes=st.sampled_from(SIZES))
 @settings(max_examples=40, deadline=None)
 def test_positions_count_on_in_split_padding_and_from_zero_in_the_padding_segment(mix, sizes):
-    batch = random_batch(*mix)
+    batch = positioned_batch(*mix)
     routing = routing_for(sizes)
     for piece in all_pieces(routing, batch, sizes):
         # the positions key equals each token's position in its (padded) document or segment
@@ -150,7 +138,7 @@ def test_the_work_figures_are_those_of_the_pieces_each_rank_gets(mix, sizes, c):
     """``work()`` (what a leader's ``stats()`` sums) equals what the pieces hold: per rank, ``2k + 1
     + c`` over its real tokens at position ``k``; its slots; for both splits (PerDocument: c = 0)."""
     layout, length, seed = mix
-    batch = random_batch(layout, length, seed)
+    batch = positioned_batch(layout, length, seed)
     options = {"cu_seqlens": "cu_seqlens", "positions": "positions", "pad_values": {"labels": -100, "loss_mask": 0}}
     for split in (PerDocument(**options), BalancedDocuments(**options, linear_cost=c)):
         docs = split.documents(batch)
@@ -170,7 +158,7 @@ def test_the_work_figures_are_those_of_the_pieces_each_rank_gets(mix, sizes, c):
 
 
 def test_one_shard_rank_holds_every_document_whole_without_padding():
-    batch = random_batch([[3, 5], [8]], 8, 0)
+    batch = positioned_batch([[3, 5], [8]], 8, 0)
     piece = routing_for((1,)).piece(batch, [(1, 0)])
     assert piece["q"].shape == (1, 16, HEADS, DIM) and torch.equal(piece["q"][0], batch["q"].reshape(16, HEADS, DIM))
     assert piece["whole_documents"].tolist() == [0, 1, 2] and piece["whole_cu_seqlens"].tolist() == [0, 3, 8, 16, 16]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from packed_documents import DIM, HEADS, attend, check_attention, per_document_sdpa
+from packed_documents import attend, check_attention, per_document_sdpa, random_batch
 
 from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.routing import Routing
@@ -40,24 +40,6 @@ def mixes(draw):
         edges = [0, *cuts, length]
         layout.append([b - a for a, b in zip(edges, edges[1:])])
     return layout, length, draw(st.integers(0, 2**31 - 1))
-
-
-def random_batch(layout, length, seed):
-    rows = len(layout)
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(rows, length, HEADS, DIM, generator=gen, dtype=torch.float64) for _ in range(3))
-    labels = torch.randint(0, 1000, (rows, length), generator=gen)
-    labels[torch.rand(rows, length, generator=gen) < 0.1] = -100  # already ignored: must stay so
-    width = max(len(row) for row in layout) + 1
-    offsets = [[0, *itertools.accumulate(row)] for row in layout]
-    return {
-        "q": q,
-        "k": k,
-        "v": v,
-        "labels": labels,
-        "loss_mask": (labels % 5 != 0).float(),
-        "cu_seqlens": torch.tensor([o + [length] * (width - len(o)) for o in offsets], dtype=torch.int32),
-    }
 
 
 def routing_for(sizes):
