@@ -10,7 +10,8 @@ Default: the state form, the resume and the refusal on a 2-rank world through DC
 messages. ``-m slow``: TorchTitan's real Trainer trains pp=2 x dp_shard=2 to a checkpoint, then
 resumes from it on dp_shard=1 to the end of the data: every token of the dataset is trained
 exactly once over the two runs (counted from what the ranks received), on fixed rows of token ids
-(resumed at pp=2 x dp_shard=1) and on packed text (resumed at pp=1 x dp_shard=1).
+(resumed at pp=2 x dp_shard=1) and on packed text (resumed at pp=1 x dp_shard=1); and fixed rows
+from pp=1 x dp_shard=2 to pp=1 x dp_shard=4.
 """
 
 from __future__ import annotations
@@ -265,6 +266,46 @@ def test_fixed_rows_resume_on_fewer_replicas_training_every_sample_once(rows_dat
     trained += [i for mb in second[0] for i in mb["input"]]
     assert sorted(trained) == list(range(ROWS_STEPS * ROWS_BATCH * 2))  # every sample (its tokens) once
     assert sorted(titan_run.losses(after, 1)) == list(range(SAVED + 1, ROWS_STEPS + 1))
+
+
+@pytest.mark.slow  # three Trainer runs (1, 2 and 4 ranks), about three minutes
+@pytest.mark.timeout(1200)
+def test_fixed_rows_resume_on_more_replicas_training_every_sample_once(rows_data):
+    """pp=1 x dp_shard=2 (local batches of 4) saves step 3; pp=1 x dp_shard=4 resumes with local
+    batches of 2 (the same global batch of 8) and trains to the end of the data at step 6."""
+    before = trainer_run(
+        "titan_trainer_configs",
+        rows_data,
+        "pp1-dp2",
+        2,
+        [
+            f"--training.local_batch_size={ROWS_BATCH}",
+            f"--training.steps={SAVED}",
+            f"--checkpoint.interval={SAVED}",
+            "--checkpoint.no-last_save_model_only",
+        ],
+    )
+    after = trainer_run(
+        "titan_trainer_configs",
+        rows_data,
+        "pp1-dp4-resumed",
+        4,
+        [
+            f"--training.local_batch_size={ROWS_BATCH // 2}",
+            f"--training.steps={ROWS_STEPS}",
+            f"--checkpoint.load_step={SAVED}",
+            "--checkpoint.load_only",
+        ],
+        dump=before,
+    )
+    first, second = received(before, 2), received(after, 4)  # every rank is a replica of its own
+    for batches in (first, second):
+        assert all(mb["input"] == mb["labels"] for got in batches.values() for mb in got)
+    trained = [i for got in first.values() for mb in got for i in mb["input"]]
+    assert len(trained) == SAVED * ROWS_BATCH * 2
+    trained += [i for got in second.values() for mb in got for i in mb["input"]]
+    assert sorted(trained) == list(range(ROWS_STEPS * ROWS_BATCH * 2))  # every sample (its tokens) once
+    assert sorted(titan_run.losses(after, 0)) == list(range(SAVED + 1, ROWS_STEPS + 1))
 
 
 TEXT_SEQ, TEXT_BATCH = 64, 4
