@@ -64,7 +64,8 @@ from torch.utils.data import DataLoader
 
 from collective_loader import CollectiveLoader
 from collective_loader.plan.mesh import MeshLayout
-from collective_loader.streaming import StreamingSource, release
+from collective_loader.streaming import StreamingSource
+from collective_loader.streaming.cleanup import release
 from collective_loader.testing import launch
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 

@@ -58,7 +58,8 @@ from torch.utils.data import DataLoader
 
 from collective_loader import CollectiveLoader
 from collective_loader.plan.mesh import MeshLayout
-from collective_loader.streaming import StreamingSource, release
+from collective_loader.streaming import StreamingSource
+from collective_loader.streaming.cleanup import release
 from collective_loader.testing import launch
 from collective_loader.testing.data import train_tokenizer, write_text_documents
 from collective_loader.text import Packing, TextColumn

@@ -69,8 +69,10 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.data import DataLoader
 
 from collective_loader import CollectiveLoader
-from collective_loader.streaming import StreamingSource, lm_collate, release
+from collective_loader.streaming import StreamingSource
+from collective_loader.streaming.cleanup import release
 from collective_loader.testing import launch
+from collective_loader.text import lm_collate
 
 VOCAB, SEQ, DIM, HEAD_DIM, LAYERS = 61, 32, 32, 8, 8
 SAMPLES = 512

@@ -12,25 +12,20 @@
 * :mod:`~collective_loader.text.collate`: :func:`lm_collate` for rows written whole.
 """
 
-from collective_loader.deprecation import renamed
 from collective_loader.text.balance import Balance
 from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import TextColumn, TokenColumn
 from collective_loader.text.packing import BOUNDARIES, IGNORE_INDEX, Packing
-from collective_loader.text.rows import PackedRows
 from collective_loader.text.tokenizer import TextEncoder, load_tokenizer
 
 __all__ = [
     "BOUNDARIES",
-    "Balance",
     "IGNORE_INDEX",
-    "TextEncoder",
-    "PackedRows",
+    "Balance",
     "Packing",
     "TextColumn",
+    "TextEncoder",
     "TokenColumn",
     "lm_collate",
     "load_tokenizer",
 ]
-
-__getattr__ = renamed(__name__, {"Encoder": "TextEncoder"}, globals())

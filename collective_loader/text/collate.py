@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from collective_loader.text.layouts import TokenColumn
-
-Sample = Mapping[str, Any]
+from collective_loader.types import Sample
 
 
 def lm_collate(samples: Sequence[Sample], key: str = "tokens", dtype: str | None = None) -> dict[str, torch.Tensor]:

@@ -18,16 +18,15 @@ that does not fit its layout raises ``ValueError`` naming the column, what it ho
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from collective_loader.deprecation import renamed
 from collective_loader.text.tokenizer import TextEncoder
+from collective_loader.types import Sample
 
-Sample = Mapping[str, Any]
 INTEGER_TYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")  # LLM Foundry's
 
 
@@ -191,6 +190,3 @@ class DocumentCollate:
         else:
             tokens = self.layout.documents(samples)
         return TokenizedBatch(np.array([int(s[SAMPLE_INDEX]) for s in samples], dtype=np.int64), tokens)
-
-
-__getattr__ = renamed(__name__, {"Layout": "ColumnLayout"}, globals())

@@ -24,8 +24,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from collective_loader.deprecation import renamed
-
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 
@@ -136,6 +134,3 @@ class TextEncoder:
         head = [bos_id] if bos_id is not None else []
         tail = [eos_id] if eos_id is not None else []
         return lambda texts: [head + list(ids) + tail for ids in encode(texts)] if texts else []
-
-
-__getattr__ = renamed(__name__, {"Encoder": "TextEncoder"}, globals())

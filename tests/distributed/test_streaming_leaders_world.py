@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from collective_loader.plan.mesh import MeshLayout
-from collective_loader.streaming import leader_env, leaders_world
+from collective_loader.streaming.leaders import leader_env, leaders_world
 
 
 def _envs(dims, shape, local_world_size, placement="spread"):
@@ -99,7 +99,7 @@ def test_leaders_world_restores_env_and_barrier_on_error(monkeypatch):
 
 
 def test_remove_stale_keeps_mapped_blocks_and_removes_the_rest(tmp_path):
-    from collective_loader.streaming import remove_stale
+    from collective_loader.streaming.cleanup import remove_stale
 
     live = shared_memory.SharedMemory(name="999990_locals", create=True, size=64)  # mapped here
     dead = shared_memory.SharedMemory(name="999991_barrier", create=True, size=64)
@@ -190,7 +190,7 @@ def test_leaders_world_overlapping_in_two_threads_restores_the_real_barrier():
 # nobody cannot enter.
 AS_NOBODY = textwrap.dedent("""
     import json, os, sys
-    from collective_loader.streaming import remove_stale
+    from collective_loader.streaming.cleanup import remove_stale
     uid, gid, shm_dir, tmp = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     os.setgroups([])
     os.setresgid(gid, gid, gid)

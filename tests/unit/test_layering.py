@@ -1,8 +1,9 @@
 """The package's layers hold: each module imports only from the layers its own may use, and no
 modules import each other in a loop (imports inside functions and under ``TYPE_CHECKING``
-included). Read from the source with ``ast``; nothing is imported.
+included). Read from the source with ``ast``; nothing is imported. And docs/design.md's layer table names every
+module.
 
-The layers, lowest first: ``errors`` (and ``deprecation``); ``plan``, then ``text`` (both pure); ``delivery``; the core
+The layers, lowest first: ``errors`` and ``types``; ``plan``, then ``text`` (both pure); ``delivery``; the core
 (``loader``, the package's ``__init__``); ``streaming``; ``integrations`` and ``testing``; the
 application (``cli``, ``__main__``).
 """
@@ -10,6 +11,7 @@ application (``cli``, ``__main__``).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -34,7 +36,7 @@ def layer(module: str) -> str:
     """``collective_loader.plan.mesh`` -> ``plan``; the package's top-level modules by their job."""
     parts = module.split(".")[1:]
     top = parts[0] if parts else "__init__"
-    if top == "deprecation":  # old names kept importable: as low as the errors
+    if top == "types":  # the type aliases every layer names: as low as the errors
         return "errors"
     if top in ("loader", "__init__"):
         return "core"
@@ -112,3 +114,33 @@ def test_the_layer_rules_see_the_imports():
     assert "collective_loader.delivery.epoch" in GRAPH["collective_loader.loader"]
     assert layer("collective_loader.plan.mesh") == "plan" and layer("collective_loader") == "core"
     assert "collective_loader.loader" not in GRAPH["collective_loader.delivery.protocol"]
+
+
+def design_table_modules() -> set[str]:
+    """The modules docs/design.md's layer table names: ``plan/mesh.py``, ``routing.py`` (in the
+    directory named last in the same cell), ``streaming/`` (``source.py``, ...)."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    table = text.split("| layer | modules | job | may import |", 1)[1].split("\n\n", 1)[0]
+    named = set()
+    for row in table.splitlines()[2:]:
+        folder = ""
+        for token in re.findall(r"`([\w/]+(?:\.py)?)`", row.split("|")[2]):
+            if token.endswith("/"):
+                folder = token
+            elif token.endswith(".py"):
+                if "/" in token:
+                    folder = token.rpartition("/")[0] + "/"
+                    named.add(token)
+                else:
+                    named.add(folder + token)
+    return named
+
+
+def test_the_design_pages_layer_table_names_every_module():
+    on_disk = {
+        str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent == PACKAGE
+    }
+    table = design_table_modules()
+    assert "plan/mesh.py" in table and "streaming/source.py" in table  # the reader reads the table
+    assert sorted(on_disk - table) == [], "docs/design.md's layer table leaves these out"
+    assert sorted(table - on_disk) == [], "docs/design.md's layer table names modules that are gone"

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from collective_loader.streaming import release
+from collective_loader.streaming.cleanup import release
 from collective_loader.streaming.dataset import DownloadFailureRaisingDataset
 from collective_loader.testing.data import write_dataset
 
