@@ -1,32 +1,89 @@
-"""What users already write keeps working after the package moved into layers: the top-level names,
-``collective_loader.streaming.StreamingSource`` and ``--module collective_loader.titan_configs``."""
+"""docs/api.md and the packages' ``__all__`` agree, both ways: every name the page lists is exported
+by its module and importable from it, and every name a module of the package exports is listed."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "collective_loader"
+API = ROOT / "docs" / "api.md"
+LINE = re.compile(r"^- `(collective_loader(?:\.\w+)*)\.(\w+)`", re.MULTILINE)
 
 
-def test_top_level_names():
-    import collective_loader
-
-    for name in ("CollectiveLoader", "mesh_place", "Place", "MeshLayout", "LeaderError", "ShardDownloadError"):
-        assert hasattr(collective_loader, name), name
-    from collective_loader import CollectiveLoader, Place, mesh_place  # noqa: F401
-
-
-def test_streaming_source_path():
-    from collective_loader.streaming import StreamingSource, lm_collate
-    from collective_loader.streaming.source import StreamingSource as moved
-    from collective_loader.text import lm_collate as text_collate
-
-    assert StreamingSource is moved and lm_collate is text_collate
+def listed() -> dict[str, list[str]]:
+    """docs/api.md's lines ``- `module.Name`: ...``, as module -> names in page order."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for module, name in LINE.findall(API.read_text()):
+        out[module].append(name)
+    return dict(out)
 
 
-def test_titan_configs_module_path_serves_the_integration():
-    """TorchTitan resolves ``--module collective_loader.titan_configs --config NAME`` by importing
-    the module and looking the name up on it."""
-    shim = importlib.import_module("collective_loader.titan_configs")
-    real = importlib.import_module("collective_loader.integrations.titan_configs")
-    assert shim.TitanTrainer is real.TitanTrainer and shim.with_collective_loader is real.with_collective_loader
-    config = shim.llama3_debugmodel()
-    assert type(config).__qualname__ == "TitanTrainer.Config"
+def exporting_modules() -> set[str]:
+    """Every module of the package that assigns ``__all__`` (read with ``ast``, nothing imported)."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                parts = path.relative_to(ROOT).with_suffix("").parts
+                found.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return found
+
+
+API_LISTS = listed()
+
+
+def test_the_page_is_read():
+    """The reader finds the page's lines (a check that reads nothing passes anything)."""
+    assert "CollectiveLoader" in API_LISTS["collective_loader"]
+    assert "StreamingSource" in API_LISTS["collective_loader.streaming"]
+    assert sum(map(len, API_LISTS.values())) >= 30
+
+
+def test_every_exporting_module_has_its_list_on_the_page():
+    assert exporting_modules() - set(API_LISTS) == set(), (
+        "a module sets __all__ but docs/api.md lists none of its names"
+    )
+
+
+@pytest.mark.parametrize("module", sorted(API_LISTS))
+def test_the_page_lists_exactly_what_the_module_exports(module):
+    names = API_LISTS[module]
+    assert len(names) == len(set(names)), f"docs/api.md lists a name of {module} twice"
+    exported = importlib.import_module(module).__all__
+    assert len(exported) == len(set(exported)), f"{module}.__all__ holds a name twice"
+    assert set(names) - set(exported) == set(), f"docs/api.md lists names {module}.__all__ does not export"
+    assert set(exported) - set(names) == set(), f"{module}.__all__ exports names docs/api.md does not list"
+
+
+@pytest.mark.parametrize("module", sorted(API_LISTS))
+def test_every_listed_name_imports(module):
+    mod = importlib.import_module(module)
+    for name in API_LISTS[module]:
+        assert hasattr(mod, name) or importlib.util.find_spec(f"{module}.{name}"), f"{module}.{name}"
+
+
+def test_a_name_is_exported_once():
+    """Each public object has one public path (``lm_collate`` was exported by two packages)."""
+    paths = defaultdict(list)
+    for module, names in API_LISTS.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            paths[id(getattr(mod, name))].append(f"{module}.{name}")
+    twice = [p for p in paths.values() if len(p) > 1]
+    assert twice == []
