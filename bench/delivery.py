@@ -274,7 +274,7 @@ def profile_step(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, pool:
     nbytes = wire.HEADER_BYTES + plan.nbytes
     buf = pool.take(nbytes)
     if dist.get_rank() == LEADER:
-        wire.write_message(Kind.DATA, 0, plan, buf)
+        plan.write(buf, Kind.DATA, 0)
         t1 = time.perf_counter()
         dist.broadcast(buf, LEADER, group=group)
         t2 = t3 = time.perf_counter()
@@ -283,7 +283,8 @@ def profile_step(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, pool:
         dist.broadcast(buf, LEADER, group=group)
         t2 = time.perf_counter()
         header = Header.decode(buf[: wire.HEADER_BYTES].view(torch.int64), 1 << 32)
-        wire.unpack(buf[wire.HEADER_BYTES : nbytes], header.meta_nbytes)
+        payload = buf[wire.HEADER_BYTES : nbytes]
+        wire.decode(payload, header.meta_nbytes).batch(payload)
         t3 = time.perf_counter()
     return {"pack": t1 - t0, "message": t2 - t1, "unpack": t3 - t2, "step": t3 - t0}
 
@@ -762,7 +763,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
         "",
         (
             "One synchronous steady-state step rebuilt in the benchmark from the package's pieces (`wire.encode`, "
-            "`wire.write_message` into a `BufferPool` buffer, `Header.decode`, `wire.unpack`) and one "
+            "`Encoded.write` into a `BufferPool` buffer, `Header.decode`, `wire.decode`) and one "
             "`dist.broadcast` over the raw group, timed by phase with `time.perf_counter` (p50 ms, median over rounds, run in "
             "the same rotation as the variants above). *rebuilt step* is the slowest rank's whole step; the last "
             "column is what the loader adds on top (its transfer thread, queue hand-off, routing)."

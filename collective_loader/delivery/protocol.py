@@ -118,8 +118,6 @@ class LeaderStep(_Step):
         self._load, self._source_state, self.watch = load, source_state, watch
         self._device_transport = settings.config.transport == "device"
         self._data_channels = [(name, ch) for name, ch in settings.groups.channels.items() if ch.carries_data]
-        # one per message stream (a channel, and a shard on a scattered one): reuses repeating descriptions
-        self._encoders: dict[tuple[str, tuple], wire.Encoder] = {}
 
     def step(self, step: int) -> Item:
         cause: BaseException | None
@@ -261,7 +259,7 @@ class LeaderStep(_Step):
             return item
         channel, p = channels[own], packed[own]
         mine = _as_list(p.message)[channel.ranks.index(self.place.rank) if channel.scattered else 0]
-        batch = p.layout.batch(p.layout.views(on_device[id(mine)]))
+        batch = p.layout.batch(on_device[id(mine)])
         item.batch = batch if channel.scattered else self.settings.routing.piece(batch, self.place.shard)
         return item
 
@@ -273,37 +271,32 @@ class LeaderStep(_Step):
         stage = "both" if self.place.pp_size == 1 else channel.name
         selected = routing.select(batch, stage)
         if settings.config.delivery == "broadcast":
-            message, header, views, plan = self._message(channel, step, selected, ())
+            message, header, own, plan = self._message(channel, step, selected)
             assert plan.layout is not None
-            own = routing.piece(plan.layout.batch(views), self.place.shard)
-            return _Packed(message, header, own, plan.layout, plan.apart)
-        by_levels: dict[tuple, tuple[torch.Tensor, Header, list[torch.Tensor], wire.Encoded]] = {}
+            return _Packed(message, header, routing.piece(own, self.place.shard), plan.layout, plan.apart)
+        by_levels: dict[tuple, tuple[torch.Tensor, Header, Batch, wire.Encoded]] = {}
         for rank in channel.ranks:
             levels = layout.place(rank).shard
             if levels not in by_levels:
-                by_levels[levels] = self._message(channel, step, routing.piece(selected, levels), levels)
+                by_levels[levels] = self._message(channel, step, routing.piece(selected, levels))
         headers = {(h.payload_nbytes, h.meta_nbytes) for _, h, _, _ in by_levels.values()}
         assert len(headers) == 1, headers  # equal shapes per shard, so equal sizes
         messages = [by_levels[layout.place(r).shard][0] for r in channel.ranks]
-        _, header, views, plan = by_levels[self.place.shard]
+        _, header, own, plan = by_levels[self.place.shard]
         assert plan.layout is not None
-        return _Packed(messages, header, plan.layout.batch(views), plan.layout)
+        return _Packed(messages, header, own, plan.layout)
 
     def _message(
-        self, channel: Channel, step: int, batch: Mapping[str, Any], shard: tuple
-    ) -> tuple[torch.Tensor, Header, list[torch.Tensor], wire.Encoded]:
-        """``(message, header, the batch's tensors: its views of them or as given, its plan)``.
+        self, channel: Channel, step: int, batch: Mapping[str, Any]
+    ) -> tuple[torch.Tensor, Header, Batch, wire.Encoded]:
+        """``(message, header, the batch as the leader holds it: views of the message, its plan)``.
 
         On a broadcast channel of the host transport large host tensors travel apart
         (:data:`APART_MIN_BYTES`); a scatter sends one message per member, and the device
         transport moves the tensor bytes as one buffer of its own.
         """
-        key = (channel.name, shard)
-        encoder = self._encoders.get(key)
-        if encoder is None:
-            apart = not channel.scattered and channel.data_group is None
-            encoder = self._encoders[key] = wire.Encoder(APART_MIN_BYTES if apart else None)
-        plan = encoder.encode(batch)
+        apart = not channel.scattered and channel.data_group is None
+        plan = wire.encode(batch, APART_MIN_BYTES if apart else None)
         if plan.nbytes > self.settings.config.max_batch_bytes:
             raise BatchError(
                 f"a {channel.name}-stage payload is {plan.nbytes} bytes; max_batch_bytes is {self.settings.config.max_batch_bytes}"
@@ -356,18 +349,18 @@ class MemberStep(_Step):
                 return Item(Kind.DATA, step)
             if channel.data_group is not None:
                 return Item(Kind.DATA, step, receive=(channel, header, payload))
-            layout = channel.decoder.layout(payload, header.meta_nbytes)
+            layout = wire.decode(payload, header.meta_nbytes)
             if header.apart_nbytes:
                 try:
                     channel.recv_apart(payload, layout.apart(header.inline_nbytes))
                 except RuntimeError as e:
                     what = f"waited for leader rank {channel.leader} to deliver step {step}'s large tensors and gave up"
                     raise _delivery_error(settings, what, e) from e
-            batch = layout.batch(layout.views(payload))
+            batch = layout.batch(payload)
             if not channel.scattered:
                 batch = settings.routing.piece(batch, self.place.shard)
             return self._on_device(Item(Kind.DATA, step), batch)
-        text = wire.unpack(payload, header.meta_nbytes).get("message")
+        text = wire.decode(payload, header.meta_nbytes).batch(payload).get("message")
         if not isinstance(text, str):
             raise WireError("error message from the leader does not decode")
         return Item(header.kind, step, error=error_of(header.kind, text))
@@ -422,7 +415,7 @@ def complete(settings: Settings, posted: Posted) -> Item:
     if item.receive is not None:
         channel, header, meta = item.receive
         assert posted.into is not None
-        batch = channel.decoder.unpack(posted.into, header.meta_nbytes, meta=meta)
+        batch = wire.decode(posted.into, header.meta_nbytes, meta=meta).batch(posted.into)
         item.batch = batch if channel.scattered else settings.routing.piece(batch, settings.place.shard)
         item.receive = None
     item.sends = []

@@ -35,7 +35,7 @@ def share_state(settings: Settings, state: Mapping[str, Any]) -> dict[str, Any]:
         channel.send_encoded(Kind.DATA, state["steps"], plan)
         return dict(state)
     header, payload = channel.recv(settings.config.max_batch_bytes)
-    leader_state = wire.unpack(payload, header.meta_nbytes)
+    leader_state = wire.decode(payload, header.meta_nbytes).batch(payload)
     if header.kind != Kind.DATA:
         raise error_of(header.kind, str(leader_state.get("message")))
     if leader_state["steps"] != state["steps"] or leader_state["epoch"] != state["epoch"]:

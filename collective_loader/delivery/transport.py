@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,7 @@ class Channel:
     """One delivery group (sorted global ``ranks``, ``leader`` among them) seen from this rank.
 
     Every message is one buffer: a :data:`~collective_loader.plan.wire.HEADER_BYTES` header, then the
-    payload (see :func:`collective_loader.plan.wire.write_message`). Receivers cannot know a message's
+    payload (see :meth:`collective_loader.plan.wire.Encoded.write`). Receivers cannot know a message's
     size before its header, so both ends track ``frame_nbytes``, the size of the previous
     message on this channel: the leader sends the first ``frame_nbytes`` bytes of the next
     message (padded when it is shorter) in one collective, and the rest, if it is longer, in a
@@ -106,8 +106,6 @@ class Channel:
     collectives: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
-    # members: the description of the last DATA payload, reused while it repeats byte for byte
-    decoder: wire.Decoder = field(default_factory=wire.Decoder, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._leading = dist.get_rank() == self.leader
@@ -119,13 +117,13 @@ class Channel:
             return self.pool.take(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def message(self, kind: Kind, step: int, plan: wire.Encoded) -> tuple[torch.Tensor, Header, list[torch.Tensor]]:
-        """Leader: ``(host buffer, header, tensors)`` of the message announcing ``kind`` with
-        ``plan``; ``tensors`` are the plan's tensors: the buffer's views holding them, or the
-        tensors as given for those that travel apart."""
-        header = Header(kind, step, plan.nbytes, len(plan.meta), plan.apart_nbytes)
+    def message(self, kind: Kind, step: int, plan: wire.Encoded) -> tuple[torch.Tensor, Header, dict[str, Any]]:
+        """Leader: ``(host buffer, header, batch)`` of the message announcing ``kind`` with
+        ``plan``; ``batch`` is the plan's batch as the leader holds it (see
+        :meth:`~collective_loader.plan.wire.Encoded.write`)."""
+        header = plan.header(kind, step)
         buf = self.buffer(wire.HEADER_BYTES + header.inline_nbytes)
-        return buf, header, wire.write_message(kind, step, plan, buf)
+        return buf, header, plan.write(buf, kind, step)
 
     def send_encoded(self, kind: Kind, step: int, plan: wire.Encoded = wire.NOTHING) -> None:
         """Leader: build one message and send it to every member over gloo."""

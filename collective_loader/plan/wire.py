@@ -1,6 +1,6 @@
 """Batch <-> fixed-size header + one packed byte buffer. No pickle: nothing received is evaluated.
 
-A message on the wire is one uint8 buffer (:func:`write_message`):
+A message on the wire is one uint8 buffer:
 
 * the **header**, ``HEADER_WORDS`` int64 words (``HEADER_BYTES``): magic, version, kind, step,
   payload size, meta size, apart size (see :class:`Header`);
@@ -9,10 +9,16 @@ A message on the wire is one uint8 buffer (:func:`write_message`):
   ``ALIGN``-aligned offset.
 
 A payload's last ``apart_nbytes`` bytes may be left out of the buffer: the tensors that lie there
-(large, contiguous host tensors; see :class:`Encoder`) then travel each in a collective of its
+(large, contiguous host tensors; see :func:`encode`) then travel each in a collective of its
 own, straight from the sender's tensor, and the receiver receives them into their places in its
-payload (:meth:`PayloadLayout.apart`). The buffer then holds the header, the description and the small
-tensors, and the sender copies none of the large ones.
+payload (:meth:`PayloadLayout.apart`). The buffer then holds the header, the description and the
+small tensors, and the sender copies none of the large ones.
+
+One way each way: :func:`encode` lays a batch out (:class:`Encoded`) and :meth:`Encoded.write`
+puts it in a message buffer; :func:`decode` checks a received payload's description
+(:class:`PayloadLayout`) and :meth:`PayloadLayout.batch` gives the batch as views of the payload.
+Nothing is cached from one message to the next: a description costs a few microseconds to encode
+or decode (``bench/step_cost.py`` shows no gain from reusing it).
 
 The decoder checks every field against the buffer it was given before it creates a view, so
 corrupt or hostile input raises :class:`~collective_loader.errors.WireError` and never allocates
@@ -21,8 +27,12 @@ more than the payload size the header announced (itself capped by the caller).
 Example::
 
     >>> import torch
-    >>> buf, meta_nbytes = pack({"ids": torch.arange(4), "meta": {"name": "a", "n": [1, 2]}})
-    >>> unpack(buf, meta_nbytes)
+    >>> encoded = encode({"ids": torch.arange(4), "meta": {"name": "a", "n": [1, 2]}})
+    >>> message = torch.empty(HEADER_BYTES + encoded.nbytes, dtype=torch.uint8)
+    >>> _ = encoded.write(message, Kind.DATA, step=0)
+    >>> header = Header.read(message, max_payload_bytes=1 << 20)
+    >>> payload = message[HEADER_BYTES:]
+    >>> decode(payload, header.meta_nbytes).batch(payload)
     {'ids': tensor([0, 1, 2, 3]), 'meta': {'name': 'a', 'n': [1, 2]}}
 """
 
@@ -161,7 +171,8 @@ def data_start(meta_nbytes: int) -> int:
 
 @dataclass
 class Encoded:
-    """Where everything of one batch goes in the payload; :func:`write` fills a buffer from it.
+    """Where everything of one batch goes in a payload (:func:`encode`); :meth:`write` puts it
+    in a message.
 
     ``layout``: the description as a receiver decodes it (None only for :data:`NOTHING`).
     ``apart``: the tensors that travel apart, each as its bytes (a flat uint8 view of the
@@ -174,6 +185,43 @@ class Encoded:
     layout: PayloadLayout | None = None
     apart: list[torch.Tensor] = field(default_factory=list)
     apart_nbytes: int = 0
+
+    def header(self, kind: Kind, step: int) -> Header:
+        """The header of this payload's message announcing ``kind`` at ``step``."""
+        return Header(kind, step, self.nbytes, len(self.meta), self.apart_nbytes)
+
+    def write(self, out: torch.Tensor, kind: Kind, step: int) -> dict[str, Any]:
+        """Fill ``out`` (uint8, CPU, on an ``ALIGN`` boundary of its storage, at least
+        ``HEADER_BYTES + header.inline_nbytes`` long) with the message: the header, then the
+        payload but the tensors that travel apart. Returns the batch as its sender holds it: its
+        tensors are views of ``out``, those that travel apart the tensors as given.
+
+        Example::
+
+            >>> out = torch.empty(256, dtype=torch.uint8)
+            >>> encoded = encode({"x": torch.ones(2)})
+            >>> encoded.write(out, Kind.DATA, step=3)
+            {'x': tensor([1., 1.])}
+            >>> header = Header.read(out, max_payload_bytes=1 << 20)
+            >>> header.step, header.payload_nbytes == encoded.nbytes
+            (3, True)
+        """
+        data = out.numpy().data  # once: every torch call costs a few us per step
+        _HEADER.pack_into(data, 0, *self.header(kind, step).words())
+        data[HEADER_BYTES : HEADER_BYTES + len(self.meta)] = self.meta
+        if self.layout is None:
+            return {}
+        views = self.layout._views(out, self.nbytes - self.apart_nbytes, HEADER_BYTES)
+        for i, (_, tensor) in enumerate(self.tensors):
+            view = views[i]
+            if view is None:  # travels apart: the batch keeps the tensor as given
+                views[i] = tensor
+            else:  # a copy into a typed view of the destination: any strides, conj/neg views and devices work
+                view.copy_(tensor.detach() if tensor.requires_grad else tensor, non_blocking=True)
+        return _fill(self.layout.template, cast(list[torch.Tensor], views))
+
+
+NOTHING = Encoded(b"", [], 0)  # the payload of a message that is its header alone
 
 
 def _check_value(value: Any, path: str, depth: int) -> None:
@@ -193,12 +241,10 @@ def _check_value(value: Any, path: str, depth: int) -> None:
 
 class _Walk:
     """One batch's description tree and its tensors, each with its node in the tree, whose
-    offset :meth:`place` fills in; ``exact`` while the tree holds only tensors and mappings with
-    ``str`` keys, whose equality is then the equality of their encoded descriptions."""
+    offset :meth:`place` fills in."""
 
     def __init__(self) -> None:
         self.tensors: list[tuple[dict[str, Any], torch.Tensor]] = []
-        self.exact = True
 
     def place(self, apart_min: int | None) -> tuple[list[tuple[int, torch.Tensor]], int, list[torch.Tensor], int]:
         """Give every tensor its data offset (relative to the data start): the tensors that
@@ -242,14 +288,11 @@ class _Walk:
                 raise BatchError(f"mapping at {path!r} is nested deeper than {MAX_DEPTH}")
             items = []
             for key, item in value.items():
-                if type(key) is not str:
-                    if not isinstance(key, str):
-                        raise BatchError(f"mapping keys must be str, got {key!r} at {path!r}")
-                    self.exact = False
+                if not isinstance(key, str):
+                    raise BatchError(f"mapping keys must be str, got {key!r} at {path!r}")
                 items.append([key, self.node(item, f"{path}.{key}" if path else key, depth + 1)])
             return {"M": items}
         _check_value(value, path, depth)
-        self.exact = False
         return {"V": value}
 
 
@@ -265,119 +308,38 @@ def _goes_apart(tensor: torch.Tensor) -> bool:
     )
 
 
-class Encoder:
-    """Encodes the batches of one stream of messages (a channel's, for one shard).
+def encode(batch: Mapping[str, Any], apart_min: int | None = None) -> Encoded:
+    """Lay out ``batch`` (a mapping, nested mappings allowed) in one payload.
 
     ``apart_min``: tensors of at least this many bytes (host, contiguous) travel apart, each in
     a collective of its own straight from its memory, instead of being copied into the message
-    (None: every tensor is copied in).
-
-    A batch whose description repeats the last one's (tensors of the same dtypes and shapes
-    under the same keys) reuses its encoded description and :class:`PayloadLayout`: no JSON encoding,
-    and no decoding of the leader's own message for its own batch. Plain values are encoded
-    every time; their layout is reused when the encoded bytes are the same.
+    (None: every tensor is copied in). Tuples are delivered as lists. Raises
+    :class:`BatchError` naming the key of anything that cannot be delivered.
 
     Example::
 
         >>> ids = torch.zeros(4, 1024, dtype=torch.int64)    # 32 KiB
-        >>> p = Encoder(apart_min=16 << 10).encode({"ids": ids, "n": torch.ones(2)})
+        >>> p = encode({"ids": ids, "n": torch.ones(2)}, apart_min=16 << 10)
         >>> p.apart_nbytes, p.apart[0].data_ptr() == ids.data_ptr(), p.nbytes - p.apart_nbytes
         (32768, True, 192)
     """
-
-    def __init__(self, apart_min: int | None = None) -> None:
-        if apart_min is not None and apart_min < 1:
-            raise ValueError(f"apart_min must be >= 1 or None, got {apart_min}")
-        self.apart_min = apart_min
-        self._tree: Any = None  # the last exact tree, whose layout is self._layout
-        self._layout: PayloadLayout | None = None
-
-    def encode(self, batch: Mapping[str, Any]) -> Encoded:
-        """Lay out ``batch`` (a mapping, nested mappings allowed) in one payload.
-
-        Tuples are delivered as lists. Raises :class:`BatchError` naming the key of anything that
-        cannot be delivered.
-        """
-        if not isinstance(batch, Mapping):
-            raise BatchError(f"a batch must be a mapping of str to tensors, got {type(batch).__qualname__}")
-        walk = _Walk()
-        tree = walk.node(batch, "", 0)
-        tensors, nbytes, apart, apart_nbytes = walk.place(self.apart_min)
-        layout = self._layout
-        if layout is None or not walk.exact or tree != self._tree:
-            try:
-                meta = json.dumps(tree, separators=(",", ":")).encode()
-            except (TypeError, ValueError) as e:  # e.g. a circular list
-                raise BatchError(f"batch cannot be encoded: {e}") from None
-            if len(meta) > MAX_META_BYTES:
-                raise BatchError(f"batch description is {len(meta)} bytes; the limit is {MAX_META_BYTES}")
-            if layout is None or meta != layout.meta:
-                layout = describe(meta, _align(len(meta)) + nbytes)
-            self._tree, self._layout = (tree if walk.exact else None), layout
-        start = _align(len(layout.meta))
-        return Encoded(layout.meta, [(start + o, t) for o, t in tensors], start + nbytes, layout, apart, apart_nbytes)
-
-
-def encode(batch: Mapping[str, Any]) -> Encoded:
-    """Lay out ``batch`` in one payload (see :meth:`Encoder.encode`; nothing is reused)."""
-    return Encoder().encode(batch)
-
-
-def write(encoded: Encoded, out: torch.Tensor) -> list[torch.Tensor]:
-    """Fill ``out`` (uint8, CPU, on an ``ALIGN`` boundary of its storage, at least the payload's
-    inline part: ``encoded.nbytes - encoded.apart_nbytes``) with the planned payload but the tensors
-    that travel apart; return the batch's tensors in plan order: views of ``out``, and the apart
-    tensors as given."""
-    if encoded.meta:
-        out.numpy().data[: len(encoded.meta)] = encoded.meta
-    return _write_tensors(encoded, out, 0)
-
-
-def _write_tensors(encoded: Encoded, out: torch.Tensor, start: int) -> list[torch.Tensor]:
-    """:func:`write`'s tensors, for a payload at byte ``start`` of ``out``."""
-    if encoded.layout is None:
-        return []
-    views = encoded.layout.views(out, encoded.nbytes - encoded.apart_nbytes, start)
-    for i, (_, tensor) in enumerate(encoded.tensors):
-        view = views[i]
-        if view is None:  # travels apart: the batch keeps the tensor as given
-            views[i] = tensor
-        else:  # a copy into a typed view of the destination: any strides, conj/neg views and devices work
-            view.copy_(tensor.detach() if tensor.requires_grad else tensor, non_blocking=True)
-    return cast(list[torch.Tensor], views)
-
-
-NOTHING = Encoded(b"", [], 0)  # the payload of a message that is its header alone
-
-
-def write_message(kind: Kind, step: int, encoded: Encoded, out: torch.Tensor) -> list[torch.Tensor]:
-    """Fill ``out`` (uint8, CPU, ``HEADER_BYTES + encoded.nbytes`` long at least) with one message,
-    the header then the payload; return the views of ``out`` that hold the batch's tensors.
-
-    Example::
-
-        >>> out = torch.empty(256, dtype=torch.uint8)
-        >>> p = encode({"x": torch.ones(2)})
-        >>> views = write_message(Kind.DATA, 3, p, out)
-        >>> header = Header.decode(out[:HEADER_BYTES].view(torch.int64), 1 << 20)
-        >>> header.step, header.payload_nbytes == p.nbytes, views
-        (3, True, [tensor([1., 1.])])
-        >>> unpack(out[HEADER_BYTES : HEADER_BYTES + p.nbytes], header.meta_nbytes)
-        {'x': tensor([1., 1.])}
-    """
-    header = Header(kind, step, encoded.nbytes, len(encoded.meta), encoded.apart_nbytes)
-    data = out.numpy().data  # once: every torch call costs a few us per step
-    _HEADER.pack_into(data, 0, *header.words())
-    data[HEADER_BYTES : HEADER_BYTES + len(encoded.meta)] = encoded.meta
-    return _write_tensors(encoded, out, HEADER_BYTES)
-
-
-def pack(batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
-    """``(payload, meta_nbytes)`` for ``batch`` on the CPU."""
-    p = encode(batch)
-    out = torch.zeros(p.nbytes, dtype=torch.uint8)
-    write(p, out)
-    return out, len(p.meta)
+    if apart_min is not None and apart_min < 1:
+        raise ValueError(f"apart_min must be >= 1 or None, got {apart_min}")
+    if not isinstance(batch, Mapping):
+        raise BatchError(f"a batch must be a mapping of str to tensors, got {type(batch).__qualname__}")
+    walk = _Walk()
+    tree = walk.node(batch, "", 0)
+    tensors, nbytes, apart, apart_nbytes = walk.place(apart_min)
+    try:
+        meta = json.dumps(tree, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as e:  # e.g. a circular list
+        raise BatchError(f"batch cannot be encoded: {e}") from None
+    if len(meta) > MAX_META_BYTES:
+        raise BatchError(f"batch description is {len(meta)} bytes; the limit is {MAX_META_BYTES}")
+    start = data_start(len(meta))
+    # the layout a receiver decodes, from the very bytes it receives: the sender's batch is the same
+    layout = _describe(meta, start + nbytes)
+    return Encoded(meta, [(start + o, t) for o, t in tensors], start + nbytes, layout, apart, apart_nbytes)
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -396,9 +358,8 @@ class _Slot:
 class PayloadLayout:
     """A checked batch description: the batch's tree and where each tensor lies in a payload.
 
-    Made by :func:`describe` from the description's bytes and the payload's size, never from
-    the payload's data, so one layout serves every payload with the same description (and at
-    least ``end`` bytes). It holds no tensor: keeping one keeps no buffer in use.
+    Made from the description's bytes and the payload's size (:func:`decode`), never from the
+    payload's data. It holds no tensor: keeping one keeps no buffer in use.
     """
 
     meta: bytes
@@ -408,9 +369,13 @@ class PayloadLayout:
     template: Any  # the batch's tree: dicts, plain values, a _Slot per tensor
     end: int  # the payload bytes its tensors need
 
-    def views(self, payload: torch.Tensor, upto: int | None = None, start: int = 0) -> list[Any]:
-        """Every tensor, in description order, as a view of ``payload`` (uint8, 1-D, at least
-        ``end`` bytes, on an ``ALIGN`` boundary of its storage: the caller has checked).
+    def batch(self, payload: torch.Tensor) -> dict[str, Any]:
+        """The batch, its tensors views of ``payload`` (uint8, 1-D, at least ``end`` bytes, on an
+        ``ALIGN`` boundary of its storage: :func:`decode` checked them); its lists are new."""
+        return _fill(self.template, self._views(payload))
+
+    def _views(self, payload: torch.Tensor, upto: int | None = None, start: int = 0) -> list[Any]:
+        """Every tensor, in description order, as a view of ``payload``.
 
         ``upto``: only the tensors that lie below this payload offset; those at or beyond it
         (that travel apart: :meth:`apart`) are ``None``, and ``payload`` may end there.
@@ -442,10 +407,6 @@ class PayloadLayout:
                 )
             ranges.append(slice(offset, end))
         return ranges
-
-    def batch(self, views: list[torch.Tensor]) -> dict[str, Any]:
-        """The batch with ``views`` (from :meth:`views`) as its tensors; its lists are new."""
-        return _fill(self.template, views)
 
 
 def _fill(node: Any, views: list[torch.Tensor]) -> Any:
@@ -530,7 +491,7 @@ class _Reader:
         return _Slot(len(self.tensors) - 1)
 
 
-def describe(meta: bytes, size: int) -> PayloadLayout:
+def _describe(meta: bytes, size: int) -> PayloadLayout:
     """Decode and check a batch description (``meta``) for a payload of ``size`` bytes whose
     tensor data starts after it (:func:`data_start`). Raises :class:`WireError`."""
     try:
@@ -544,51 +505,29 @@ def describe(meta: bytes, size: int) -> PayloadLayout:
     return PayloadLayout(meta, tuple(reader.tensors), template, reader.end)
 
 
-class Decoder:
-    """Decodes the payloads of one stream of messages (a channel's).
-
-    A payload whose description is byte for byte the last one's reuses that description's
-    :class:`PayloadLayout`: the checks that depend on the payload itself (its tensor, its size) run
-    every time, so a payload is accepted exactly when a full decode accepts it.
-    """
-
-    def __init__(self) -> None:
-        self._layout: PayloadLayout | None = None
-
-    def unpack(self, payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> dict[str, Any]:
-        """See :func:`unpack`."""
-        layout = self.layout(payload, meta_nbytes, meta)
-        return layout.batch(layout.views(payload))
-
-    def layout(self, payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> PayloadLayout:
-        """The checked :class:`PayloadLayout` of ``payload`` (see :func:`unpack`), before its tensors are
-        viewed: a receiver learns from it where the tensors that travel apart go."""
-        if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
-            raise WireError(
-                f"payload must be a contiguous 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}"
-            )
-        if payload.storage_offset() % ALIGN:
-            raise WireError(
-                f"payload starts at byte {payload.storage_offset()} of its storage, not on a {ALIGN}-byte boundary"
-            )
-        size = payload.numel()
-        if not 0 <= meta_nbytes <= min(size, MAX_META_BYTES):
-            raise WireError(f"meta size {meta_nbytes} does not fit a payload of {size} bytes")
-        if meta is not None and meta.numel() < meta_nbytes:
-            raise WireError(f"description of {meta.numel()} bytes is shorter than the {meta_nbytes} announced")
-        described = (payload if meta is None else meta)[:meta_nbytes]
-        raw = described.cpu().numpy().tobytes()
-        layout = self._layout
-        if layout is None or layout.end > size or layout.meta != raw:
-            layout = self._layout = describe(raw, size)
-        return layout
-
-
-def unpack(payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> dict[str, Any]:
-    """Decode a payload; tensors are views into ``payload``. Raises :class:`WireError`.
+def decode(payload: torch.Tensor, meta_nbytes: int, meta: torch.Tensor | None = None) -> PayloadLayout:
+    """The checked :class:`PayloadLayout` of a received ``payload`` (uint8, 1-D, contiguous, on an
+    ``ALIGN`` boundary of its storage) whose description is its first ``meta_nbytes`` bytes;
+    ``.batch(payload)`` then gives the batch, its tensors views of ``payload``. Raises
+    :class:`WireError`.
 
     ``meta``: the description (uint8, host), when it travelled apart from the tensor bytes
     (the device transport); ``payload``'s first ``meta_nbytes`` bytes are then not read, so a
-    GPU payload is decoded without a copy to the host.
+    GPU payload is decoded without a copy to the host. A receiver learns from the layout, before
+    it views the tensors, where those that travel apart go (:meth:`PayloadLayout.apart`).
     """
-    return Decoder().unpack(payload, meta_nbytes, meta)
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+        raise WireError(
+            f"payload must be a contiguous 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}"
+        )
+    if payload.storage_offset() % ALIGN:
+        raise WireError(
+            f"payload starts at byte {payload.storage_offset()} of its storage, not on a {ALIGN}-byte boundary"
+        )
+    size = payload.numel()
+    if not 0 <= meta_nbytes <= min(size, MAX_META_BYTES):
+        raise WireError(f"meta size {meta_nbytes} does not fit a payload of {size} bytes")
+    if meta is not None and meta.numel() < meta_nbytes:
+        raise WireError(f"description of {meta.numel()} bytes is shorter than the {meta_nbytes} announced")
+    described = (payload if meta is None else meta)[:meta_nbytes]
+    return _describe(described.cpu().numpy().tobytes(), size)

@@ -160,9 +160,8 @@ def _expected_collectives(loader, stage: str) -> int:
     """What one channel's messages cost: each step's message (one more when it is larger than
     the one before), one broadcast per tensor that travels apart, then the end."""
     frame, count = wire.HEADER_BYTES, 0
-    encoder = wire.Encoder(APART_MIN_BYTES)
     for step, length in enumerate(BIG_LENGTHS):
-        plan = encoder.encode(loader.routing.select(big_batch(step, length), stage))
+        plan = wire.encode(loader.routing.select(big_batch(step, length), stage), APART_MIN_BYTES)
         inline = wire.HEADER_BYTES + plan.nbytes - plan.apart_nbytes
         count += 1 + (inline > frame) + len(plan.apart)
         frame = inline
