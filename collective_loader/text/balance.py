@@ -11,11 +11,14 @@ trains changes. Resume is therefore the packing's own (:mod:`collective_loader.t
 
 The cost model of a row is ``sum(L**2) + c * sum(L)`` over its pieces' lengths ``L``: the
 attention scores grow with ``L**2``, the rest of the model (projections, MLP) with the number of
-tokens. Per token a transformer layer spends about ``24 * d**2`` FLOPs outside attention and
-``4 * d * L`` in it (``d``: the model width), so the linear term is worth ``c ~ 6 * d`` tokens of
-``L``. Every replica's rows hold the same number of tokens, so ``c`` changes a replica's cost but
-not which replica is the slowest, except at an epoch's padded end; it is there to report figures
-in the units of the whole step. Pure: nothing here talks to ``torch.distributed``.
+tokens. Per token a transformer layer spends about ``24 * d**2`` FLOPs in its projections and
+MLP (``d``: the model width, MLP 4d) and ``4 * d`` per key it attends to, so a piece of ``L``
+tokens costs about ``2 * d * L**2`` in causal attention (a kernel that skips the masked half) and
+``24 * d**2 * L`` outside it: ``c ~ 12 * d`` (``6 * d`` when the masked half is computed too), as
+for :class:`~collective_loader.plan.balanced.BalancedDocuments`. Every replica's rows hold the
+same number of tokens, so ``c`` changes a replica's cost but not which replica is the slowest,
+except at an epoch's padded end; it is there to report figures in the units of the whole step.
+Pure: nothing here talks to ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ class Balance:
     """Balance packed rows over the data-parallel replicas (``Packing(balance=Balance())``).
 
     Args:
-        linear_cost: ``c`` in a row's cost ``sum(L**2) + c * sum(L)`` (``6 * d_model`` is a fair
-            value; 0 compares attention alone).
+        linear_cost: ``c`` in a row's cost ``sum(L**2) + c * sum(L)`` (about ``12 * d_model``
+            under a causal kernel that skips the masked half; 0 compares attention alone).
         valid_tokens: a key under which every rank's batch gets the step's global count of label
             tokens that are not ignored, over every replica (an int64 tensor of shape ``()``), to
             normalize the loss across replicas; deliver it to every stage with ``every_stage``.
@@ -42,8 +45,8 @@ class Balance:
             as one whose steps hold several micro-batches (TorchTitan's pipeline loads one
             micro-batch per step: ``rows=1`` trains pp = 1's rows under pp = 2).
 
-    >>> Balance(linear_cost=6 * 4096).linear_cost
-    24576.0
+    >>> Balance(linear_cost=12 * 4096).linear_cost
+    49152.0
     """
 
     linear_cost: float = 0.0
