@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 from collective_loader.delivery.config import Delivery
 from collective_loader.plan import sharding
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, PLACEMENTS, Placement
-from collective_loader.plan.sharding import Split
+from collective_loader.plan.sharding import SplitName
 from collective_loader.testing import launch
 from collective_loader.text.layouts import INTEGER_TYPES, ColumnLayout
 from collective_loader.text.packing import AtEnd
@@ -34,7 +34,7 @@ class DemoArgs:
     samples: int
     batch_size: int
     seq_len: int
-    split: Split
+    split: SplitName
     delivery: Delivery
     num_workers: int
     placement: Placement = DEFAULT_PLACEMENT  # where the leaders sit (CollectiveLoader's placement=)

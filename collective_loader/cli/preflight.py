@@ -20,7 +20,7 @@ import numpy as np
 from collective_loader.cli.args import DemoArgs, UsageError, first_line, parse_mesh
 from collective_loader.plan import sharding
 from collective_loader.plan.mesh import DEFAULT_ROLES, MeshLayout
-from collective_loader.plan.sharding import Split
+from collective_loader.plan.sharding import SplitName
 from collective_loader.text import TextColumn, TokenColumn, load_tokenizer
 from collective_loader.text.layouts import INTEGER_TYPES, ColumnLayout
 
@@ -75,7 +75,7 @@ def preflight(ns: argparse.Namespace, world_size: int | None) -> DemoArgs:
 
 
 def check_mesh(
-    text: str, seq_len: int, split: Split, world_size: int | None
+    text: str, seq_len: int, split: SplitName, world_size: int | None
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The dims and sizes of ``--mesh text``, or a UsageError saying what to change.
     ``world_size``: the ranks torchrun started (None when the demo starts its own world)."""

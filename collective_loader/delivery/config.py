@@ -13,13 +13,15 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.delivery.transport import Transport
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement
-from collective_loader.plan.routing import Routing, SequenceSplit, str_keys
+from collective_loader.plan.routing import Routing, str_keys
+from collective_loader.plan.sharding import SplitName
+from collective_loader.plan.split import Split, as_split
 
 Delivery = Literal["broadcast", "scatter"]
 
@@ -57,11 +59,12 @@ class LoaderConfig:
     """Keys split over the shard dims (``cp``, Ulysses ``sp``), and along which dim; other keys
     are copied whole."""
 
-    split: SequenceSplit = "zigzag"
+    split: Split | SplitName = "zigzag"
     """How a sequence is cut over a shard dim: ``"zigzag"`` or ``"contiguous"``
-    (:mod:`collective_loader.plan.sharding`), or a
-    :class:`~collective_loader.plan.documents.PerDocument`: each packed document cut on its own,
-    with each rank's attention metadata."""
+    (:mod:`collective_loader.plan.sharding`), or a :class:`~collective_loader.plan.split.Split`
+    such as :class:`~collective_loader.plan.documents.PerDocument` (each packed document cut on
+    its own, with each rank's attention metadata). A name becomes its
+    :class:`~collective_loader.plan.split.RowSplit` when the config is made."""
 
     roles: Mapping[str, str] | None = None
     """``{dim_name: "data" | "pipeline" | "replicate" | "shard"}`` overriding the defaults
@@ -99,6 +102,7 @@ class LoaderConfig:
         object.__setattr__(self, "seq_dims", MappingProxyType(dict(self.seq_dims or {})))
         if self.roles is not None:
             object.__setattr__(self, "roles", MappingProxyType(dict(self.roles)))
+        object.__setattr__(self, "split", as_split(self.split))
         if self.delivery not in ("broadcast", "scatter"):
             raise ValueError(f"delivery must be 'broadcast' or 'scatter', got {self.delivery!r}")
         if self.transport not in ("host", "device"):
@@ -122,9 +126,8 @@ class LoaderConfig:
             raise ValueError(
                 f"the mesh must hold every rank of the world (size {world_size}); it holds {sorted(layout.ranks)}"
             )
-        routing = Routing(
-            self.inputs, self.labels, dict(self.seq_dims), self.split, layout.shard_dims(), self.every_stage
-        )
+        split = cast(Split, self.split)  # a Split since __post_init__
+        routing = Routing(self.inputs, self.labels, dict(self.seq_dims), split, layout.shard_dims(), self.every_stage)
         pp_size = layout.place(rank).pp_size
         return layout, routing, max(2, pp_size) if self.prefetch is None else int(self.prefetch)
 

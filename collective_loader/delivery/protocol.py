@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -41,7 +40,6 @@ from collective_loader.delivery.transport import Channel
 from collective_loader.delivery.watchdog import StallWatch
 from collective_loader.errors import BatchError, DeliveryError, LeaderError, WireError
 from collective_loader.plan import wire
-from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.wire import Header, Kind
 
 Batch = dict[str, Any]
@@ -142,12 +140,11 @@ class LeaderStep(_Step):
         return self._deliver_or_explain(what, step, kind, message, cause, packed, state)
 
     def _count_shard_work(self, step: int, batch: Mapping[str, Any]) -> None:
-        """Under a per-document split over more than one shard rank: the micro-batch's work per
-        shard rank, into ``settings.shard_work`` (``stats()``) and the DEBUG log."""
-        split, sizes = self.settings.routing.split, [size for _, size in self.settings.routing.shard_dims]
-        if not isinstance(split, PerDocument) or math.prod(sizes) == 1:
+        """Under a split that reports its work (per document) over more than one shard rank: the
+        micro-batch's work per shard rank, into ``settings.shard_work`` (``stats()``) and the DEBUG log."""
+        work = self.settings.routing.work(batch)
+        if work is None:
             return
-        work = split.work(split.documents(batch), sizes)
         self.settings.shard_work.add(work)
         log.debug(
             "leader rank %d step %d: cost max/mean over the %d shard ranks %.3f, padding %.1f%%",

@@ -21,9 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.delivery.agreement import first_difference, run_phase
 from collective_loader.delivery.config import LoaderConfig
+from collective_loader.delivery.figures import ShardWorkTally
 from collective_loader.delivery.transport import Groups, build_groups, mesh_device
 from collective_loader.errors import ConfigMismatchError, ConstructionError
-from collective_loader.plan.documents import ShardWorkTally
 from collective_loader.plan.mesh import MeshLayout, Place
 from collective_loader.plan.routing import Routing
 

@@ -25,7 +25,7 @@ that within each micro-batch:
    part to the longest one's, so every rank holds the same number of tokens (scatter sends
    equal-size messages). It is a document of its own (``document_ids`` -1): labels take the
    ignore index, and it attends to nothing real, nor anything real to it;
-6. add each rank's attention metadata (:data:`METADATA`): TransformerEngine's THD keys for the
+6. add each rank's attention metadata (``BalancedDocuments.metadata``): TransformerEngine's THD keys for the
    split documents (``split_*``: context-parallel attention, with the K/V the peers hold), and
    varlen offsets for the rank's whole documents (``whole_*``: local attention, nothing from the
    peers). Every key has the same shape on every rank of a shard group.
@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -49,18 +49,19 @@ from collective_loader.plan import sharding
 from collective_loader.plan.documents import (
     DOCUMENT_IDS,
     DOCUMENT_POSITIONS,
+    DocumentKeys,
     Documents,
-    PerDocument,
-    ShardWork,
-    _offsets,
-    _Own,
-    _starts,
+    ZigzagPart,
+    default_pad_values,
+    offsets,
+    starts,
     zigzag_work,
 )
 from collective_loader.plan.sharding import Levels
+from collective_loader.plan.split import ShardWork
 
-# what the split adds to every rank's batch, the same shape on every rank of a shard group
-# (see the module docstring and docs/context-parallel.md); S: documents split, K: the most whole
+# what the split adds to every rank's batch (its ``metadata``), the same shape on every rank of a
+# shard group (see the module docstring and docs/context-parallel.md); S: documents split, K: the most whole
 # documents any rank holds
 SPLIT_DOCUMENTS = "split_documents"  # (S,) int64: the split documents' ids in the stream, ascending
 SPLIT_CU_SEQLENS = "split_cu_seqlens"  # (S + 1,) int32: their real lengths, global (TE cu_seqlens_q / _kv)
@@ -73,23 +74,10 @@ WHOLE_CU_SEQLENS = "whole_cu_seqlens"  # (K + 2,) int32: offsets in the whole pa
 WHOLE_MAX_SEQLEN = "whole_max_seqlen"  # int: the longest whole document or padding segment of any rank
 # DOCUMENT_IDS (1, tokens held) int64: each own token's document in the stream, -1 in the padding
 # segment; DOCUMENT_POSITIONS (1, tokens held) int64: its position in its (padded) document
-METADATA = (
-    SPLIT_DOCUMENTS,
-    SPLIT_CU_SEQLENS,
-    SPLIT_CU_SEQLENS_PADDED,
-    SPLIT_MAX_SEQLEN,
-    SPLIT_CU_SEQLENS_LOCAL,
-    SPLIT_MAX_SEQLEN_LOCAL,
-    WHOLE_DOCUMENTS,
-    WHOLE_CU_SEQLENS,
-    WHOLE_MAX_SEQLEN,
-    DOCUMENT_IDS,
-    DOCUMENT_POSITIONS,
-)
 
 
 @dataclass(frozen=True)
-class BalancedDocuments(PerDocument):
+class BalancedDocuments:
     """Give short packed documents whole to one shard rank, balanced by cost; split long ones.
 
     Reads the documents as :class:`~collective_loader.plan.documents.PerDocument` does
@@ -116,13 +104,33 @@ class BalancedDocuments(PerDocument):
     (tensor([0, 4], dtype=torch.int32), tensor([ 3, -1]), tensor([0, 3, 5, 5], dtype=torch.int32))
     """
 
+    cu_seqlens: str | None = None
+    positions: str | None = None
+    pad_values: Mapping[str, int | float] = field(default_factory=default_pad_values)
     linear_cost: float = 0.0
     split_share: float = 0.05
+    document_keys: DocumentKeys = field(init=False, repr=False, compare=False)
 
-    metadata: ClassVar[tuple[str, ...]] = METADATA
+    # what piece() adds to every rank's batch (the module docstring, 6)
+    metadata: ClassVar[tuple[str, ...]] = (
+        SPLIT_DOCUMENTS,
+        SPLIT_CU_SEQLENS,
+        SPLIT_CU_SEQLENS_PADDED,
+        SPLIT_MAX_SEQLEN,
+        SPLIT_CU_SEQLENS_LOCAL,
+        SPLIT_MAX_SEQLEN_LOCAL,
+        WHOLE_DOCUMENTS,
+        WHOLE_CU_SEQLENS,
+        WHOLE_MAX_SEQLEN,
+        DOCUMENT_IDS,
+        DOCUMENT_POSITIONS,
+    )
+    reshapes: ClassVar[bool] = True  # one stream and the metadata at one shard rank too
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        keys = DocumentKeys(type(self).__name__, self.cu_seqlens, self.positions, self.pad_values)
+        object.__setattr__(self, "document_keys", keys)
+        object.__setattr__(self, "pad_values", keys.pad_values)
         for name, low in (("linear_cost", "a number >= 0"), ("split_share", "a number > 0")):
             value = getattr(self, name)
             if (
@@ -135,10 +143,30 @@ class BalancedDocuments(PerDocument):
                 raise ValueError(f"BalancedDocuments({name}=...) must be {low}, got {value!r}")
             object.__setattr__(self, name, float(value))
 
+    @property
+    def boundaries(self) -> str:
+        """The key the documents are read from."""
+        return self.document_keys.boundaries
+
+    def documents(self, batch: Mapping[str, Any]) -> Documents:
+        """The documents ``batch`` holds (:meth:`~collective_loader.plan.documents.DocumentKeys.documents`)."""
+        return self.document_keys.documents(batch)
+
+    def validate(self, seq_dims: Mapping[str, int], every_stage: Sequence[str], keys: Sequence[str]) -> None:
+        """Raise ``ValueError`` unless the loader's keys fit this split (at construction)."""
+        self.document_keys.validate(repr(self), self.metadata, seq_dims, every_stage, keys)
+
+    def check(
+        self, batch: Mapping[str, Any], seq_dims: Mapping[str, int], shard_dims: Sequence[tuple[str, int]]
+    ) -> None:
+        """Raise :class:`~collective_loader.BatchError` unless ``batch``'s boundaries and sequence
+        keys fit together."""
+        self.document_keys.check(batch, seq_dims)
+
     def piece(self, selected: Mapping[str, Any], seq_dims: Mapping[str, int], levels: Levels) -> dict[str, Any]:
         """What the rank at ``levels`` keeps of ``selected``: its tokens of the ``seq_dims`` keys,
         ``(1, tokens held, ...)`` laid out as the module docstring says, other keys as they are,
-        the ``cu_seqlens`` key replaced by :data:`METADATA`."""
+        the ``cu_seqlens`` key replaced by :attr:`metadata`."""
         device = selected[self.boundaries].device
         docs = self.documents(selected)
         deal = Deal.of(docs.lengths, [size for size, _ in levels], self.linear_cost, self.split_share)
@@ -148,15 +176,19 @@ class BalancedDocuments(PerDocument):
             if key == self.cu_seqlens:
                 continue
             out[key] = self._fill(key, value, own) if key in seq_dims else value
-        out.update(deal.metadata(own, device))
+        out.update(deal.metadata_for(own, device))
         return out
 
-    def unshard(self, pieces: Sequence[torch.Tensor], sizes: Sequence[int], docs: Documents) -> torch.Tensor:
+    def unshard(
+        self, pieces: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, batch: Mapping[str, Any]
+    ) -> torch.Tensor:
         """The stream ``(1, tokens, ...)`` from every rank's piece of one key, padding dropped;
-        ``pieces`` ordered row-major over the shard dims' indices. The inverse of :meth:`piece`."""
+        ``pieces`` ordered row-major over the shard dims' indices, ``batch`` holds the documents'
+        boundaries (``dim`` is 1). The inverse of :meth:`piece`."""
         n = math.prod(sizes)
         if len(pieces) != n:
             raise ValueError(f"need {n} pieces for sizes {list(sizes)}, got {len(pieces)}")
+        docs = self.documents(batch)
         deal = Deal.of(docs.lengths, sizes, self.linear_cost, self.split_share)
         first = pieces[0]
         stream = first.new_zeros((docs.tokens, *first.shape[2:]))
@@ -168,9 +200,10 @@ class BalancedDocuments(PerDocument):
             stream[own.source.to(piece.device)[real]] = piece[0][real]
         return stream.unsqueeze(0)
 
-    def work(self, docs: Documents, sizes: Sequence[int]) -> ShardWork:
-        """Each shard rank's cost (at this split's ``linear_cost``) and slots for ``docs`` dealt
-        over shard dims of ``sizes``: what the loader's ``stats()`` reports."""
+    def work(self, batch: Mapping[str, Any], sizes: Sequence[int]) -> ShardWork:
+        """Each shard rank's cost (at this split's ``linear_cost``) and slots for ``batch``'s
+        documents dealt over shard dims of ``sizes``: what the loader's ``stats()`` reports."""
+        docs = self.documents(batch)
         deal = Deal.of(docs.lengths, sizes, self.linear_cost, self.split_share)
         whole = deal.owner >= 0
         length = deal.lengths[whole].double()
@@ -251,30 +284,30 @@ class Deal:
 
     def rank(self, index: int) -> RankPart:
         """What the rank of flat ``index`` holds: split part, whole part, padding segment."""
-        starts, split = _starts(self.lengths), self.split
+        first_token, split = starts(self.lengths), self.split
         whole = (self.owner == index).nonzero().flatten()
         used, pad = int(self.held[index]), self.width - int(self.held[index])
         zeros = torch.zeros(used + pad, dtype=torch.int64)
         document = torch.cat([whole.repeat_interleave(self.lengths[whole]), torch.full((pad,), -1)])
         position = torch.cat(
             [
-                torch.arange(used) - _starts(self.lengths[whole]).repeat_interleave(self.lengths[whole]),
+                torch.arange(used) - starts(self.lengths[whole]).repeat_interleave(self.lengths[whole]),
                 torch.arange(pad),
             ]
         )
-        source = torch.where(document >= 0, starts[document.clamp(min=0)] + position, 0)
+        source = torch.where(document >= 0, first_token[document.clamp(min=0)] + position, 0)
         columns = [(source, zeros, document, position)]
         if self.n > 1 and len(split):
-            own = _Own.of(Documents(self.lengths[split]), _levels(self.sizes, index))
+            own = ZigzagPart.of(Documents(self.lengths[split]), _levels(self.sizes, index))
             doc = split[own.document]
-            first = starts[doc] + torch.minimum(own.position, self.lengths[doc] - 1)
+            first = first_token[doc] + torch.minimum(own.position, self.lengths[doc] - 1)
             columns.insert(0, (first, own.beyond, doc, own.position))
         source, beyond, document, position = (torch.cat(column) for column in zip(*columns))
         return RankPart(source, beyond, document, position, whole)
 
-    def metadata(self, own: RankPart, device: torch.device) -> dict[str, Any]:
-        """The rank's :data:`METADATA`: every tensor the same shape on every rank, every int the
-        same value."""
+    def metadata_for(self, own: RankPart, device: torch.device) -> dict[str, Any]:
+        """The keys of :attr:`BalancedDocuments.metadata` for the rank holding ``own``: every
+        tensor the same shape on every rank, every int the same value."""
         split, whole = self.split, self.owner >= 0
         multiple = sharding.divisor([(self.n, 0)], "zigzag")  # 2n, or 1 when nothing is split
         real = self.lengths[split]
@@ -289,13 +322,13 @@ class Deal:
         max_padded = int(padded.max()) if len(padded) else 0
         return {
             SPLIT_DOCUMENTS: split.to(device),
-            SPLIT_CU_SEQLENS: _offsets(real).to(device),
-            SPLIT_CU_SEQLENS_PADDED: _offsets(padded).to(device),
+            SPLIT_CU_SEQLENS: offsets(real).to(device),
+            SPLIT_CU_SEQLENS_PADDED: offsets(padded).to(device),
             SPLIT_MAX_SEQLEN: max_padded,
-            SPLIT_CU_SEQLENS_LOCAL: _offsets(padded // self.n).to(device),
+            SPLIT_CU_SEQLENS_LOCAL: offsets(padded // self.n).to(device),
             SPLIT_MAX_SEQLEN_LOCAL: max_padded // self.n,
             WHOLE_DOCUMENTS: torch.cat([own.whole, torch.full((most - len(own.whole),), -1)]).to(device),
-            WHOLE_CU_SEQLENS: _offsets(segments).to(device),
+            WHOLE_CU_SEQLENS: offsets(segments).to(device),
             WHOLE_MAX_SEQLEN: longest,
             DOCUMENT_IDS: own.document.unsqueeze(0).to(device),
             DOCUMENT_POSITIONS: own.position.unsqueeze(0).to(device),

@@ -17,7 +17,7 @@ document, and leaves a rank without the boundaries of its own tokens. The per-do
    ``2n-1-r`` of every document, concatenated document after document. Several shard dims
    (cp x Ulysses sp) compose in mesh order, as in :mod:`~collective_loader.plan.sharding`: the
    outer dim zigzags each document, the inner one zigzags each rank's part of it again;
-5. add what each rank's attention needs (:data:`METADATA`): the global ``cu_seqlens`` and
+5. add what each rank's attention needs (``PerDocument.metadata``): the global ``cu_seqlens`` and
    ``cu_seqlens_padded`` with ``max_seqlen`` (TransformerEngine's THD convention), the local
    ``cu_seqlens_local`` and ``max_seqlen_local`` (padded / n: OLMo-core's), and the document id
    and position of each of the rank's tokens.
@@ -40,10 +40,12 @@ import torch
 from collective_loader.errors import BatchError
 from collective_loader.plan import sharding
 from collective_loader.plan.sharding import Levels
+from collective_loader.plan.split import ShardWork
 
 IGNORE_INDEX = -100  # what padded labels hold: the default ignore_index of torch's cross entropy
 
-# what the split adds to every rank's batch (see the module docstring and docs/context-parallel.md)
+# what the split adds to every rank's batch (its ``metadata``; see the module docstring and
+# docs/context-parallel.md)
 CU_SEQLENS = "cu_seqlens"  # (documents + 1,) int32: real lengths, global (TE cu_seqlens_q / _kv)
 CU_SEQLENS_PADDED = "cu_seqlens_padded"  # (documents + 1,) int32: padded lengths, global (TE *_padded)
 MAX_SEQLEN = "max_seqlen"  # int: the longest padded document (TE max_seqlen_q / _kv)
@@ -51,15 +53,6 @@ CU_SEQLENS_LOCAL = "cu_seqlens_local"  # (documents + 1,) int32: cu_seqlens_padd
 MAX_SEQLEN_LOCAL = "max_seqlen_local"  # int: max_seqlen / n (OLMo-core max_doc_len)
 DOCUMENT_IDS = "document_ids"  # (1, tokens / n) int64: each own token's document, 0-based in the stream
 DOCUMENT_POSITIONS = "document_positions"  # (1, tokens / n) int64: its position in the padded document
-METADATA = (
-    CU_SEQLENS,
-    CU_SEQLENS_PADDED,
-    MAX_SEQLEN,
-    CU_SEQLENS_LOCAL,
-    MAX_SEQLEN_LOCAL,
-    DOCUMENT_IDS,
-    DOCUMENT_POSITIONS,
-)
 
 
 @dataclass(frozen=True)
@@ -80,37 +73,31 @@ class Documents:
         return int(self.lengths.sum())
 
 
+def default_pad_values() -> dict[str, int | float]:
+    """What padding holds unless told: the ignore index in ``labels``, 0 elsewhere."""
+    return {"labels": IGNORE_INDEX}
+
+
 @dataclass(frozen=True)
-class PerDocument:
-    """Split each packed document over the shard dims (zigzag within the document).
+class DocumentKeys:
+    """Where a batch marks its packed documents and what their padding holds: the options a
+    per-document split reads (:class:`PerDocument` and
+    :class:`~collective_loader.plan.balanced.BalancedDocuments` each hold one).
 
-    ``cu_seqlens``: the key holding the document boundaries as offsets, either
-    ``(documents + 1,)`` over the micro-batch's rows flattened (Megatron's packed micro-batch) or
-    ``(rows, n)`` per row (each row ``0, ..., length``; repeat ``length`` to fill a row with fewer
-    documents); it must be in ``every_stage`` and is replaced by :data:`METADATA`.
-    ``positions``: the ``seq_dims`` key holding each token's position; its padding counts on
-    (TransformerEngine's convention), and without ``cu_seqlens`` it marks the documents: one starts
-    at each row's first token and wherever the position is 0, and counts up by 1 within.
-    ``pad_values``: what padding holds per ``seq_dims`` key (0 for keys not named).
+    ``owner``: the split's name, for messages; the others as :class:`PerDocument` says.
 
-    >>> split = PerDocument(cu_seqlens="cu_seqlens")
-    >>> batch = {"ids": torch.tensor([[1, 2, 3, 4, 5]]), "labels": torch.tensor([[2, 3, 4, 5, 6]]),
-    ...          "cu_seqlens": torch.tensor([0, 3, 5])}
-    >>> rank0 = split.piece(batch, {"ids": 1, "labels": 1}, [(2, 0)])  # documents 3 + 2 -> 4 + 4
-    >>> rank0["ids"], rank0["labels"], rank0["document_positions"]
-    (tensor([[1, 0, 4, 0]]), tensor([[   2, -100,    5, -100]]), tensor([[0, 3, 0, 3]]))
-    >>> rank0["cu_seqlens"], rank0["cu_seqlens_padded"], rank0["cu_seqlens_local"], rank0["max_seqlen"]
-    (tensor([0, 3, 5], dtype=torch.int32), tensor([0, 4, 8], dtype=torch.int32), tensor([0, 2, 4], dtype=torch.int32), 4)
+    >>> keys = DocumentKeys("PerDocument", positions="pos")
+    >>> keys.boundaries, keys.documents({"pos": torch.tensor([[0, 1, 0, 1, 2]])}).lengths
+    ('pos', tensor([2, 3]))
     """
 
+    owner: str
     cu_seqlens: str | None = None
     positions: str | None = None
-    pad_values: Mapping[str, int | float] = field(default_factory=lambda: {"labels": IGNORE_INDEX})
-
-    metadata: ClassVar[tuple[str, ...]] = METADATA  # the keys piece() adds (a subclass adds its own)
+    pad_values: Mapping[str, int | float] = field(default_factory=default_pad_values)
 
     def __post_init__(self) -> None:
-        name = type(self).__name__
+        name = self.owner
         if self.cu_seqlens is None and self.positions is None:
             raise ValueError(f"{name} needs the key that marks the documents: cu_seqlens=KEY or positions=KEY")
         for option in ("cu_seqlens", "positions"):
@@ -128,9 +115,16 @@ class PerDocument:
         """The key the documents are read from."""
         return self.cu_seqlens if self.cu_seqlens is not None else str(self.positions)
 
-    def validate(self, seq_dims: Mapping[str, int], every_stage: Sequence[str], keys: Sequence[str]) -> None:
-        """Raise ``ValueError`` unless the loader's keys fit this split (at construction)."""
-        me = repr(self)
+    def validate(
+        self,
+        me: str,
+        metadata: Sequence[str],
+        seq_dims: Mapping[str, int],
+        every_stage: Sequence[str],
+        keys: Sequence[str],
+    ) -> None:
+        """Raise ``ValueError``, naming the split ``me``, unless the loader's keys fit a split that
+        adds ``metadata`` (:meth:`~collective_loader.plan.split.Split.validate`)."""
         if self.boundaries not in every_stage:
             raise ValueError(
                 f"{me}: list {self.boundaries!r} in every_stage (and not in inputs or labels): every stage's "
@@ -148,7 +142,7 @@ class PerDocument:
                 f"{me}: seq_dims {other_dims}: the per-document split reads every sequence key as "
                 "(rows, length, ...) and flattens its rows, so each key's sequence dim must be 1"
             )
-        taken = sorted((set(self.metadata) & set(keys)) - {self.cu_seqlens})
+        taken = sorted((set(metadata) & set(keys)) - {self.cu_seqlens})
         if taken:
             raise ValueError(
                 f"{me}: keys {taken} are what the split computes for every rank; drop them from the batch "
@@ -197,32 +191,102 @@ class PerDocument:
                     f"{self.boundaries!r} end at {docs.tokens}; they must cover the rows flattened"
                 )
 
+
+@dataclass(frozen=True)
+class PerDocument:
+    """Split each packed document over the shard dims (zigzag within the document).
+
+    ``cu_seqlens``: the key holding the document boundaries as offsets, either
+    ``(documents + 1,)`` over the micro-batch's rows flattened (Megatron's packed micro-batch) or
+    ``(rows, n)`` per row (each row ``0, ..., length``; repeat ``length`` to fill a row with fewer
+    documents); it must be in ``every_stage`` and is replaced by :attr:`metadata`.
+    ``positions``: the ``seq_dims`` key holding each token's position; its padding counts on
+    (TransformerEngine's convention), and without ``cu_seqlens`` it marks the documents: one starts
+    at each row's first token and wherever the position is 0, and counts up by 1 within.
+    ``pad_values``: what padding holds per ``seq_dims`` key (0 for keys not named).
+
+    >>> split = PerDocument(cu_seqlens="cu_seqlens")
+    >>> batch = {"ids": torch.tensor([[1, 2, 3, 4, 5]]), "labels": torch.tensor([[2, 3, 4, 5, 6]]),
+    ...          "cu_seqlens": torch.tensor([0, 3, 5])}
+    >>> rank0 = split.piece(batch, {"ids": 1, "labels": 1}, [(2, 0)])  # documents 3 + 2 -> 4 + 4
+    >>> rank0["ids"], rank0["labels"], rank0["document_positions"]
+    (tensor([[1, 0, 4, 0]]), tensor([[   2, -100,    5, -100]]), tensor([[0, 3, 0, 3]]))
+    >>> rank0["cu_seqlens"], rank0["cu_seqlens_padded"], rank0["cu_seqlens_local"], rank0["max_seqlen"]
+    (tensor([0, 3, 5], dtype=torch.int32), tensor([0, 4, 8], dtype=torch.int32), tensor([0, 2, 4], dtype=torch.int32), 4)
+    """
+
+    cu_seqlens: str | None = None
+    positions: str | None = None
+    pad_values: Mapping[str, int | float] = field(default_factory=default_pad_values)
+    document_keys: DocumentKeys = field(init=False, repr=False, compare=False)
+
+    # what piece() adds to every rank's batch (the module docstring, 5)
+    metadata: ClassVar[tuple[str, ...]] = (
+        CU_SEQLENS,
+        CU_SEQLENS_PADDED,
+        MAX_SEQLEN,
+        CU_SEQLENS_LOCAL,
+        MAX_SEQLEN_LOCAL,
+        DOCUMENT_IDS,
+        DOCUMENT_POSITIONS,
+    )
+    reshapes: ClassVar[bool] = True  # one stream and the metadata at one shard rank too
+
+    def __post_init__(self) -> None:
+        keys = DocumentKeys(type(self).__name__, self.cu_seqlens, self.positions, self.pad_values)
+        object.__setattr__(self, "document_keys", keys)
+        object.__setattr__(self, "pad_values", keys.pad_values)
+
+    @property
+    def boundaries(self) -> str:
+        """The key the documents are read from."""
+        return self.document_keys.boundaries
+
+    def documents(self, batch: Mapping[str, Any]) -> Documents:
+        """The documents ``batch`` holds (:meth:`DocumentKeys.documents`)."""
+        return self.document_keys.documents(batch)
+
+    def validate(self, seq_dims: Mapping[str, int], every_stage: Sequence[str], keys: Sequence[str]) -> None:
+        """Raise ``ValueError`` unless the loader's keys fit this split (at construction)."""
+        self.document_keys.validate(repr(self), self.metadata, seq_dims, every_stage, keys)
+
+    def check(
+        self, batch: Mapping[str, Any], seq_dims: Mapping[str, int], shard_dims: Sequence[tuple[str, int]]
+    ) -> None:
+        """Raise :class:`BatchError` unless ``batch``'s boundaries and sequence keys fit together
+        (padding makes any document divide)."""
+        self.document_keys.check(batch, seq_dims)
+
     def piece(self, selected: Mapping[str, Any], seq_dims: Mapping[str, int], levels: Levels) -> dict[str, Any]:
         """What the rank at ``levels`` keeps of ``selected``: its tokens of every document of the
         ``seq_dims`` keys, ``(1, tokens / n, ...)``, other keys as they are, the ``cu_seqlens`` key
-        replaced by :data:`METADATA`. ``selected`` holds the boundaries key (it is in every_stage)."""
+        replaced by :attr:`metadata`. ``selected`` holds the boundaries key (it is in every_stage)."""
         boundary = selected[self.boundaries]
         docs = self.documents(selected)
-        own = _Own.of(docs, levels)
+        own = ZigzagPart.of(docs, levels)
         out: dict[str, Any] = {}
         for key, value in selected.items():
             if key == self.cu_seqlens:
                 continue
             out[key] = self._take(key, value, own) if key in seq_dims else value
         n = math.prod(size for size, _ in levels)
-        out.update(own.metadata(docs, n, boundary.device))
+        out.update(self._metadata(docs, own, n, boundary.device))
         return out
 
-    def unshard(self, pieces: Sequence[torch.Tensor], sizes: Sequence[int], docs: Documents) -> torch.Tensor:
+    def unshard(
+        self, pieces: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, batch: Mapping[str, Any]
+    ) -> torch.Tensor:
         """The stream ``(1, tokens, ...)`` from every rank's piece of one key, padding dropped.
 
         ``pieces`` is ordered row-major over the shard dims' indices (outermost slowest), ``sizes``
-        their sizes; ``reshape(rows, length, ...)`` gives back the batch's shape. The inverse of
-        :meth:`piece` for one key.
+        their sizes, ``batch`` holds the documents' boundaries (``dim`` is 1);
+        ``reshape(rows, length, ...)`` gives back the batch's shape. The inverse of :meth:`piece`
+        for one key.
         """
         if len(pieces) != math.prod(sizes):
             raise ValueError(f"need {math.prod(sizes)} pieces for sizes {list(sizes)}, got {len(pieces)}")
-        owns = [_Own.of(docs, list(zip(sizes, index))) for index in itertools.product(*(range(s) for s in sizes))]
+        docs = self.documents(batch)
+        owns = [ZigzagPart.of(docs, list(zip(sizes, index))) for index in itertools.product(*(range(s) for s in sizes))]
         first = pieces[0]
         stream = first.new_zeros((owns[0].padded_total, *first.shape[2:]))
         for own, piece in zip(owns, pieces):
@@ -233,13 +297,14 @@ class PerDocument:
             stream[own.padded_index.to(stream.device)] = piece[0]
         return stream[owns[0].real_index.to(stream.device)].unsqueeze(0)
 
-    def work(self, docs: Documents, sizes: Sequence[int]) -> ShardWork:
-        """Each shard rank's attention work and slots for ``docs`` split over shard dims of
-        ``sizes``: what the loader's ``stats()`` reports (``c = 0``: attention alone)."""
+    def work(self, batch: Mapping[str, Any], sizes: Sequence[int]) -> ShardWork:
+        """Each shard rank's attention work and slots for ``batch``'s documents split over shard
+        dims of ``sizes``: what the loader's ``stats()`` reports (``c = 0``: attention alone)."""
+        docs = self.documents(batch)
         costs, slots = zigzag_work(docs.lengths, sizes, 0.0)
         return ShardWork(tuple(costs), slots, docs.tokens)
 
-    def _take(self, key: str, value: torch.Tensor, own: _Own) -> torch.Tensor:
+    def _take(self, key: str, value: torch.Tensor, own: ZigzagPart) -> torch.Tensor:
         flat = value.reshape(-1, *value.shape[2:])
         out = flat.index_select(0, own.source.to(value.device))
         if own.padding:
@@ -250,15 +315,33 @@ class PerDocument:
                 out[beyond > 0] = self.pad_values.get(key, 0)
         return out.unsqueeze(0)
 
+    @staticmethod
+    def _metadata(docs: Documents, own: ZigzagPart, n: int, device: torch.device) -> dict[str, Any]:
+        max_padded = int(own.padded.max()) if len(own.padded) else 0
+        return {
+            CU_SEQLENS: offsets(docs.lengths).to(device),
+            CU_SEQLENS_PADDED: offsets(own.padded).to(device),
+            MAX_SEQLEN: max_padded,
+            CU_SEQLENS_LOCAL: offsets(own.padded // n).to(device),
+            MAX_SEQLEN_LOCAL: max_padded // n,
+            DOCUMENT_IDS: own.document.unsqueeze(0).to(device),
+            DOCUMENT_POSITIONS: own.position.unsqueeze(0).to(device),
+        }
+
 
 @dataclass(frozen=True)
-class _Own:
-    """What one rank keeps of a micro-batch's padded stream, one entry per own token.
+class ZigzagPart:
+    """What one rank keeps of a micro-batch's padded stream when every document is zigzagged
+    over the shard dims (:class:`PerDocument`), one entry per own token.
 
     ``padded_index``: where the token sits in the padded stream; ``source``: the stream token it
     copies (for padding, its document's last real token); ``beyond``: 0 for a real token, ``k``
     for the ``k``-th padding token of its document; ``document``, ``position``: its document and
     its position in the padded document. ``padded``: (documents,) padded lengths.
+
+    >>> part = ZigzagPart.of(Documents(torch.tensor([3])), [(2, 1)])  # padded to 4: chunks 1, 2
+    >>> part.position.tolist(), part.beyond.tolist()
+    ([1, 2], [0, 0])
     """
 
     padded_index: torch.Tensor
@@ -278,7 +361,7 @@ class _Own:
         return bool(self.beyond.any())
 
     @staticmethod
-    def of(docs: Documents, levels: Levels) -> _Own:
+    def of(docs: Documents, levels: Levels) -> ZigzagPart:
         multiple = sharding.divisor(levels, "zigzag")  # 2n, or 1 when nothing is split
         # the composed zigzag of a document padded to `multiple` x u keeps whole chunks of length u,
         # the same chunks whatever u: shard the chunk numbers once
@@ -291,100 +374,25 @@ class _Own:
         seg_len = unit[seg_doc]
         seg_first = units.repeat(count) * seg_len  # where each kept chunk starts in its document
         token_seg = torch.arange(len(seg_doc)).repeat_interleave(seg_len)
-        within = torch.arange(len(token_seg)) - _starts(seg_len)[token_seg]
+        within = torch.arange(len(token_seg)) - starts(seg_len)[token_seg]
         document = seg_doc[token_seg]
         position = seg_first[token_seg] + within
         last = lengths[document] - 1
-        padded_start = _starts(padded)
+        padded_start = starts(padded)
         real_index = (
             padded_start.repeat_interleave(lengths)
             + torch.arange(docs.tokens)
-            - _starts(lengths).repeat_interleave(lengths)
+            - starts(lengths).repeat_interleave(lengths)
         )
-        return _Own(
+        return ZigzagPart(
             padded_index=padded_start[document] + position,
-            source=_starts(lengths)[document] + torch.minimum(position, last),
+            source=starts(lengths)[document] + torch.minimum(position, last),
             beyond=(position - last).clamp(min=0),
             document=document,
             position=position,
             padded=padded,
             real_index=real_index,
         )
-
-    def metadata(self, docs: Documents, n: int, device: torch.device) -> dict[str, Any]:
-        max_padded = int(self.padded.max()) if len(self.padded) else 0
-        return {
-            CU_SEQLENS: _offsets(docs.lengths).to(device),
-            CU_SEQLENS_PADDED: _offsets(self.padded).to(device),
-            MAX_SEQLEN: max_padded,
-            CU_SEQLENS_LOCAL: _offsets(self.padded // n).to(device),
-            MAX_SEQLEN_LOCAL: max_padded // n,
-            DOCUMENT_IDS: self.document.unsqueeze(0).to(device),
-            DOCUMENT_POSITIONS: self.position.unsqueeze(0).to(device),
-        }
-
-
-@dataclass(frozen=True)
-class ShardWork:
-    """One micro-batch's work per shard rank under a per-document split.
-
-    ``costs``: (n,) each rank's cost, ``2k + 1 + c`` summed over its real query tokens (``k``: the
-    query's position in its document; a document of ``L`` tokens costs ``L**2 + c * L`` in all, the
-    cost model of :class:`~collective_loader.plan.balanced.BalancedDocuments`); ``slots``: the
-    tokens each rank holds, padding included; ``tokens``: the micro-batch's real tokens.
-
-    >>> work = ShardWork(costs=(3.0, 1.0), slots=4, tokens=6)
-    >>> work.max_over_mean, round(work.padding, 3)
-    (1.5, 0.333)
-    """
-
-    costs: tuple[float, ...]
-    slots: int
-    tokens: int
-
-    @property
-    def max_over_mean(self) -> float:
-        """The costliest rank's cost over the mean: 1.0 when no rank waits for another."""
-        mean = sum(self.costs) / len(self.costs)
-        return max(self.costs) / mean if mean > 0 else 1.0
-
-    @property
-    def padding(self) -> float:
-        """Padding overhead: every rank's slots over the real tokens, minus 1."""
-        return len(self.costs) * self.slots / self.tokens - 1 if self.tokens else 0.0
-
-
-class ShardWorkTally:
-    """Running figures over the micro-batches a leader split (its loader's ``stats()``).
-
-    >>> tally = ShardWorkTally()
-    >>> tally.add(ShardWork((3.0, 1.0), 4, 6)); tally.add(ShardWork((1.0, 1.0), 3, 6))
-    >>> tally.figures()
-    {'cp_micro_batches': 2, 'cp_cost_max_over_mean': 1.25, 'cp_cost_max_over_mean_worst': 1.5, 'cp_padding': 0.1667}
-    """
-
-    def __init__(self) -> None:
-        self.batches, self.balance_sum, self.worst, self.slots, self.tokens = 0, 0.0, 1.0, 0, 0
-
-    def add(self, work: ShardWork) -> None:
-        self.batches += 1
-        self.balance_sum += work.max_over_mean
-        self.worst = max(self.worst, work.max_over_mean)
-        self.slots += len(work.costs) * work.slots
-        self.tokens += work.tokens
-
-    def figures(self) -> dict[str, float]:
-        """``cp_cost_max_over_mean``: the mean over micro-batches of max / mean cost over the shard
-        ranks (``_worst``: the largest); ``cp_padding``: all slots over all real tokens, minus 1.
-        Empty before the first split micro-batch."""
-        if not self.batches:
-            return {}
-        return {
-            "cp_micro_batches": self.batches,
-            "cp_cost_max_over_mean": round(self.balance_sum / self.batches, 4),
-            "cp_cost_max_over_mean_worst": round(self.worst, 4),
-            "cp_padding": round(self.slots / self.tokens - 1, 4) if self.tokens else 0.0,
-        }
 
 
 def zigzag_work(lengths: torch.Tensor, sizes: Sequence[int], linear_cost: float) -> tuple[list[float], int]:
@@ -411,12 +419,21 @@ def zigzag_work(lengths: torch.Tensor, sizes: Sequence[int], linear_cost: float)
     return costs, int(unit.sum()) * multiple // math.prod(sizes)
 
 
-def _starts(lengths: torch.Tensor) -> torch.Tensor:
-    """Where each of consecutive segments of ``lengths`` starts."""
+def starts(lengths: torch.Tensor) -> torch.Tensor:
+    """Where each of consecutive segments of ``lengths`` starts.
+
+    >>> starts(torch.tensor([3, 1, 2]))
+    tensor([0, 3, 4])
+    """
     return torch.cumsum(lengths, 0) - lengths
 
 
-def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+def offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` of segments of ``lengths``: int32 offsets from 0, one more than the segments.
+
+    >>> offsets(torch.tensor([3, 1]))
+    tensor([0, 3, 4], dtype=torch.int32)
+    """
     return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]).to(torch.int32)
 
 

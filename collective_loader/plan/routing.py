@@ -7,16 +7,18 @@ Pure logic over batches (mappings of str to tensors and plain values); no commun
   metadata such as ``cu_seqlens``, which every layer's attention reads); with one stage every
   rank gets all keys, middle stages get only the ``every_stage`` keys;
 * keys in ``seq_dims`` are split along that dim over the shard dims; every other key is
-  replicated. ``split`` says how: ``"zigzag"`` or ``"contiguous"`` cut every row as a whole
+  replicated. ``split`` says how (a :class:`~collective_loader.plan.split.Split`):
+  ``RowSplit("zigzag")`` or ``RowSplit("contiguous")`` cut every row as a whole
   (:mod:`collective_loader.plan.sharding`); a :class:`~collective_loader.plan.documents.PerDocument`
   cuts every packed document on its own and adds each rank's attention metadata
-  (:mod:`collective_loader.plan.documents`); its subclass
+  (:mod:`collective_loader.plan.documents`);
   :class:`~collective_loader.plan.balanced.BalancedDocuments` gives short documents whole to one
   rank, by cost, and cuts only the long ones (:mod:`collective_loader.plan.balanced`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -25,10 +27,7 @@ from typing import Any
 import torch
 
 from collective_loader.errors import BatchError
-from collective_loader.plan import sharding
-from collective_loader.plan.documents import PerDocument
-
-SequenceSplit = sharding.Split | PerDocument
+from collective_loader.plan.split import ShardWork, Split
 
 
 def str_keys(name: str, keys: Any) -> tuple[str, ...]:
@@ -50,7 +49,9 @@ class Routing:
 
     Example::
 
-        >>> r = Routing(("ids",), ("labels",), {"ids": 1, "labels": 1}, "contiguous", (("cp", 2),))
+        >>> from collective_loader.plan.split import RowSplit
+        >>> split = RowSplit("contiguous")
+        >>> r = Routing(("ids",), ("labels",), {"ids": 1, "labels": 1}, split, (("cp", 2),))
         >>> batch = {"ids": torch.arange(8).view(2, 4), "labels": torch.arange(8).view(2, 4)}
         >>> r.piece(r.select(batch, "first"), [(2, 1)])
         {'ids': tensor([[2, 3],
@@ -60,7 +61,7 @@ class Routing:
     inputs: tuple[str, ...]
     labels: tuple[str, ...]
     seq_dims: Mapping[str, int]
-    split: SequenceSplit
+    split: Split
     shard_dims: tuple[tuple[str, int], ...] = field(default=())
     every_stage: tuple[str, ...] = field(default=())
 
@@ -81,10 +82,7 @@ class Routing:
         for key, dim in self.seq_dims.items():
             if not isinstance(dim, int) or isinstance(dim, bool):
                 raise TypeError(f"seq_dims[{key!r}] must be an int dim, got {dim!r}")
-        if isinstance(self.split, PerDocument):
-            self.split.validate(self.seq_dims, self.every_stage, self.keys)
-        elif self.split not in sharding.SPLITS:
-            raise ValueError(f"split must be one of {sharding.SPLITS} or a PerDocument(...), got {self.split!r}")
+        self.split.validate(self.seq_dims, self.every_stage, self.keys)
 
     @cached_property
     def keys(self) -> tuple[str, ...]:
@@ -100,12 +98,6 @@ class Routing:
             "middle": frozenset(self.every_stage),
         }
 
-    @cached_property
-    def _divisor(self) -> int:
-        """What every ``seq_dims`` length must be a multiple of (not under a per-document split)."""
-        assert not isinstance(self.split, PerDocument)
-        return sharding.divisor([(size, 0) for _, size in self.shard_dims], self.split)
-
     def check(self, batch: Any) -> None:
         """Raise :class:`BatchError` unless ``batch`` can be delivered whole to every rank."""
         if not isinstance(batch, Mapping):
@@ -115,7 +107,7 @@ class Routing:
             raise BatchError(f"batch is missing keys {missing} (it has {sorted(map(str, batch))})")
         known = self._stage_keys["both"]
         extra = [k for k in batch if k not in known]
-        computed = [k for k in extra if isinstance(self.split, PerDocument) and k in self.split.metadata]
+        computed = [k for k in extra if k in self.split.metadata]
         if computed:
             raise BatchError(
                 f"batch has keys {computed}, which the per-document split computes for every rank; drop them in the source"
@@ -127,20 +119,7 @@ class Routing:
             )
         for key, dim in self.seq_dims.items():
             _check_seq_value(key, dim, batch[key])
-        if isinstance(self.split, PerDocument):
-            self.split.check(batch, self.seq_dims)
-            return
-        need = self._divisor
-        if need == 1:  # nothing is split: any length will do
-            return
-        over = " x ".join(f"{n}={s}" for n, s in self.shard_dims)
-        for key, dim in self.seq_dims.items():
-            length = batch[key].shape[dim]
-            if length % need:
-                raise BatchError(
-                    f"key {key!r} has length {length} along dim {dim}; the {self.split} split over {over} "
-                    f"needs a multiple of {need}"
-                )
+        self.split.check(batch, self.seq_dims, self.shard_dims)
 
     def select(self, batch: Mapping[str, Any], stage: str) -> dict[str, Any]:
         """The keys a stage (``first``, ``last``, ``both``, ``middle``) receives, in batch order."""
@@ -150,17 +129,18 @@ class Routing:
     def piece(self, selected: Mapping[str, Any], levels: Sequence[tuple[int, int]]) -> dict[str, Any]:
         """The part of ``selected`` a rank at shard ``levels`` keeps; other keys pass through.
 
-        Under a :class:`PerDocument` split, also at one shard rank: the rows flattened, the
-        documents padded, the attention metadata added.
+        Under a split that :attr:`~collective_loader.plan.split.Split.reshapes`, also at one shard
+        rank (a per-document split: the rows flattened, the documents padded, the metadata added).
         """
-        if isinstance(self.split, PerDocument):
-            return self.split.piece(selected, self.seq_dims, levels)
-        if not levels or all(size == 1 for size, _ in levels):
-            return dict(selected)
-        return {
-            k: sharding.shard(v, self.seq_dims[k], levels, self.split) if k in self.seq_dims else v
-            for k, v in selected.items()
-        }
+        return self.split.piece(selected, self.seq_dims, levels)
+
+    def work(self, batch: Mapping[str, Any]) -> ShardWork | None:
+        """Each shard rank's work for ``batch`` (:meth:`~collective_loader.plan.split.Split.work`);
+        ``None`` when nothing is cut or the split reports none."""
+        sizes = [size for _, size in self.shard_dims]
+        if math.prod(sizes) == 1:
+            return None
+        return self.split.work(batch, sizes)
 
 
 def _check_seq_value(key: str, dim: int, value: Any) -> None:

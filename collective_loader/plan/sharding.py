@@ -22,8 +22,8 @@ from typing import Literal
 
 import torch
 
-Split = Literal["contiguous", "zigzag"]
-SPLITS: tuple[Split, ...] = ("contiguous", "zigzag")
+SplitName = Literal["contiguous", "zigzag"]  # the whole-row splits (:class:`~collective_loader.plan.split.RowSplit`)
+SPLITS: tuple[SplitName, ...] = ("contiguous", "zigzag")
 
 Levels = Sequence[tuple[int, int]]
 
@@ -33,7 +33,7 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
-def divisor(levels: Levels, split: Split) -> int:
+def divisor(levels: Levels, split: SplitName) -> int:
     """The number a sequence length must be a multiple of for ``levels`` under ``split``.
 
     >>> divisor([(2, 0)], "zigzag"), divisor([(2, 0), (3, 0)], "contiguous")
@@ -44,7 +44,7 @@ def divisor(levels: Levels, split: Split) -> int:
     return 2 * n if split == "zigzag" and n > 1 else n
 
 
-def chunks(length: int, size: int, index: int, split: Split) -> list[tuple[int, int]]:
+def chunks(length: int, size: int, index: int, split: SplitName) -> list[tuple[int, int]]:
     """``(start, stop)`` ranges, in order, that rank ``index`` of ``size`` keeps of ``length``.
 
     >>> chunks(8, 2, 0, "zigzag")
@@ -63,7 +63,7 @@ def chunks(length: int, size: int, index: int, split: Split) -> list[tuple[int, 
     return [(index * step, (index + 1) * step), (late * step, (late + 1) * step)]
 
 
-def shard(tensor: torch.Tensor, dim: int, levels: Levels, split: Split) -> torch.Tensor:
+def shard(tensor: torch.Tensor, dim: int, levels: Levels, split: SplitName) -> torch.Tensor:
     """The piece of ``tensor`` along ``dim`` that the rank at ``levels`` keeps (contiguous copy).
 
     The caller checks divisibility first (:func:`divisor`); this function asserts it.
@@ -77,7 +77,7 @@ def shard(tensor: torch.Tensor, dim: int, levels: Levels, split: Split) -> torch
     return piece.contiguous()
 
 
-def unshard(pieces: Sequence[torch.Tensor], dim: int, sizes: Sequence[int], split: Split) -> torch.Tensor:
+def unshard(pieces: Sequence[torch.Tensor], dim: int, sizes: Sequence[int], split: SplitName) -> torch.Tensor:
     """Reassemble the full tensor from every rank's piece.
 
     ``pieces`` is ordered row-major over the shard dims' indices (outermost dim slowest), and

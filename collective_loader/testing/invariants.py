@@ -25,8 +25,6 @@ from typing import Any
 
 import torch
 
-from collective_loader.plan import sharding
-from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.routing import Routing
 
 
@@ -120,9 +118,7 @@ def _check_step(
         if rec.stage == "middle" and not routing.every_stage:
             continue
         batch = rec.steps[step]
-        want_batch = routing.select(full, rec.stage)
-        if isinstance(split, PerDocument):  # every rank's batch is reshaped, metadata added, also at cp=1
-            want_batch = routing.piece(want_batch, rec.shard)
+        want_batch = routing.piece(routing.select(full, rec.stage), rec.shard)
         if set(batch) != set(want_batch):
             problems["e" if rec.stage == "middle" else "a"].append(
                 f"{where}: rank {rec.rank} ({rec.stage}) got keys {sorted(batch)}, want {sorted(want_batch)}"
@@ -131,12 +127,9 @@ def _check_step(
         for key, value in batch.items():
             # a wrong label-only key means labels and inputs came apart: that is (c)
             label_only = key in routing.labels and key not in routing.inputs
-            if key in routing.seq_dims and (rec.shard or isinstance(split, PerDocument)):
-                if isinstance(split, PerDocument):
-                    want = want_batch[key]
-                else:
-                    want = sharding.shard(full[key], routing.seq_dims[key], rec.shard, split)
-                if not _equal(value, want):
+            # a split that reshapes makes every rank's batch its piece, also at one shard rank
+            if key in routing.seq_dims and (rec.shard or split.reshapes):
+                if not _equal(value, want_batch[key]):
                     problems["c" if label_only else "b"].append(
                         f"{where}: rank {rec.rank} holds a wrong piece of {key!r}"
                     )
@@ -152,10 +145,7 @@ def _check_step(
             problems["b"].append(f"{where}: {key!r} has {len(by_index)} of {math.prod(sizes)} pieces")
             continue
         ordered = [by_index[i] for i in sorted(by_index)]
-        if isinstance(split, PerDocument):
-            rebuilt = split.unshard(ordered, sizes, split.documents(full)).reshape(full[key].shape)
-        else:
-            rebuilt = sharding.unshard(ordered, routing.seq_dims[key], sizes, split)
+        rebuilt = split.unshard(ordered, sizes, routing.seq_dims[key], full).reshape(full[key].shape)
         if not _equal(rebuilt, full[key]):
             label_only = key in routing.labels and key not in routing.inputs
             problems["c" if label_only else "b"].append(f"{where}: {key!r} pieces do not reassemble")

@@ -18,6 +18,7 @@ from collective_loader.cli.args import parse_mesh
 from collective_loader.cli.report import verdicts
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.split import RowSplit
 from collective_loader.testing import invariants
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected
 
@@ -160,7 +161,7 @@ def _records(plans: dict[int, list[list[int]]], shape=(2, 2, 2)) -> tuple[list[i
     """What every rank of a pp x dp x cp mesh gets when replica d's leader yields ``plans[d]``
     (a list of per-step sample ids); computed without processes."""
     layout = MeshLayout.build(("pp", "dp", "cp"), shape, range(math.prod(shape)))
-    routing = Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", (("cp", shape[2]),))
+    routing = Routing(INPUTS, LABELS, SEQ_DIMS, RowSplit("zigzag"), (("cp", shape[2]),))
     records = []
     for rank in layout.ranks:
         place = layout.place(rank)

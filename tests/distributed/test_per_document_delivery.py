@@ -275,7 +275,7 @@ def test_the_packers_rows_through_streaming_source(world, documents):
             ordered = sorted(mine, key=lambda r: r["shard"])
             for key in routing.seq_dims:
                 pieces = [r["steps"][step][key] for r in ordered]
-                rebuilt = PACKER_SPLIT.unshard(pieces, [2], PACKER_SPLIT.documents(batch))
+                rebuilt = PACKER_SPLIT.unshard(pieces, [2], 1, batch)
                 assert torch.equal(rebuilt.reshape(batch[key].shape), batch[key]), (dp_rank, step, key)
             real_labels += sum(int((r["steps"][step]["labels"] != -100).sum()) for r in ordered)
     # the valid tokens the leaders loaded are the valid tokens the cp ranks hold, each once

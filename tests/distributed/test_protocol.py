@@ -33,6 +33,7 @@ from collective_loader.delivery.watchdog import StallWatch
 from collective_loader.errors import BatchError, DeliveryError, LeaderError, WireError
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.split import RowSplit
 from collective_loader.plan.wire import Kind
 
 STEPS = 3
@@ -43,7 +44,7 @@ def settings_by_hand(transport: str, delivery: str) -> Settings:
     layout = MeshLayout.from_mesh(ranks.make_mesh(("pp", "cp"), (2, 2)))
     place = layout.place(dist.get_rank())
     keys = ranks.KEYS
-    routing = Routing(keys["inputs"], keys["labels"], keys["seq_dims"], "zigzag", layout.shard_dims())
+    routing = Routing(keys["inputs"], keys["labels"], keys["seq_dims"], RowSplit("zigzag"), layout.shard_dims())
     cpu = torch.device("cpu")
     config = LoaderConfig(transport=transport, delivery=delivery, prefetch=2, timeout=30.0, max_batch_bytes=1 << 20)
     groups = build_groups(

@@ -29,6 +29,7 @@ from s3_bucket import S3_BUCKET, s3_shards
 
 from collective_loader import CollectiveLoader, LeaderError
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.split import RowSplit
 from collective_loader.streaming import StreamingSource, remove_stale
 from collective_loader.testing import invariants
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
@@ -147,7 +148,7 @@ def verify(results) -> list[int]:
         invariants.RankRecord(r["place"].rank, r["place"].dp_rank, r["place"].stage, r["place"].shard, r["epochs"][0])
         for r in results
     ]
-    routing = Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", ())
+    routing = Routing(INPUTS, LABELS, SEQ_DIMS, RowSplit("zigzag"), ())
     verdicts = invariants.check(records, routing, lambda ids: expected(ids, SEQ), range(SAMPLES))
     assert all(v.ok for v in verdicts), [f"{v.name}: {v.detail}" for v in verdicts if not v.ok]
     return [i for r in results if r["place"].is_leader for b in r["epochs"][0] for i in _ids(b)]

@@ -30,6 +30,7 @@ from collective_loader.cli.run import failed
 from collective_loader.delivery.transport import new_group
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.split import RowSplit
 from collective_loader.streaming import StreamingSource
 from collective_loader.testing import invariants
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
@@ -150,9 +151,9 @@ def _verify(records_by_rank, epoch):
         )
         for r in records_by_rank
     ]
-    routing = Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", ())
+    routing = Routing(INPUTS, LABELS, SEQ_DIMS, RowSplit("zigzag"), ())
     if records_by_rank[0]["place"].shard:
-        routing = Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", (("cp", 2),))
+        routing = Routing(INPUTS, LABELS, SEQ_DIMS, RowSplit("zigzag"), (("cp", 2),))
     verdicts = invariants.check(records, routing, lambda ids: expected(ids, SEQ), range(SAMPLES))
     assert all(v.ok for v in verdicts), [f"{v.name}: {v.detail}" for v in verdicts if not v.ok]
     return [

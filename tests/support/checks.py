@@ -8,6 +8,7 @@ from typing import Any
 from ranks import KEYS, sample_batch
 
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.split import RowSplit
 from collective_loader.testing import invariants
 
 
@@ -22,7 +23,7 @@ def verify(
     every_stage: tuple[str, ...] = (),
 ) -> None:
     dp_size = records[0]["dp_size"]
-    routing = Routing(KEYS["inputs"], KEYS["labels"], KEYS["seq_dims"], layout, every_stage=every_stage)
+    routing = Routing(KEYS["inputs"], KEYS["labels"], KEYS["seq_dims"], RowSplit(layout), every_stage=every_stage)
     packed = bool(every_stage)
     for rec in records:
         assert rec["touched_source"] == ([rec["rank"]] if rec["is_leader"] else []), "only leaders build the source"

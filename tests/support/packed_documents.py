@@ -173,9 +173,11 @@ def check_attention(
     docs = split.documents(batch)
     want = per_document_sdpa(batch, docs.lengths.tolist())
     for outs in (by_ids, by_te):
-        torch.testing.assert_close(split.unshard(outs, sizes, docs), want, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(split.unshard(outs, sizes, 1, batch), want, rtol=1e-9, atol=1e-9)
     for key in ("labels", "loss_mask"):
-        assert torch.equal(split.unshard([p[key] for p in pieces], sizes, docs).reshape(batch[key].shape), batch[key])
+        assert torch.equal(
+            split.unshard([p[key] for p in pieces], sizes, 1, batch).reshape(batch[key].shape), batch[key]
+        )
     assert sum(int((p["labels"] != -100).sum()) for p in pieces) == int((batch["labels"] != -100).sum())
     assert sum(float(p["loss_mask"].sum()) for p in pieces) == float(batch["loss_mask"].sum())
 
@@ -239,8 +241,10 @@ def check_balanced_attention(
     docs = split.documents(batch)
     want = per_document_sdpa(batch, docs.lengths.tolist())
     for outs in (by_meta, by_ids):
-        torch.testing.assert_close(split.unshard(outs, sizes, docs), want, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(split.unshard(outs, sizes, 1, batch), want, rtol=1e-9, atol=1e-9)
     for key in ("labels", "loss_mask"):
-        assert torch.equal(split.unshard([p[key] for p in pieces], sizes, docs).reshape(batch[key].shape), batch[key])
+        assert torch.equal(
+            split.unshard([p[key] for p in pieces], sizes, 1, batch).reshape(batch[key].shape), batch[key]
+        )
     assert sum(int((p["labels"] != -100).sum()) for p in pieces) == int((batch["labels"] != -100).sum())
     assert sum(float(p["loss_mask"].sum()) for p in pieces) == float(batch["loss_mask"].sum())

@@ -27,6 +27,7 @@ from collective_loader import CollectiveLoader
 from collective_loader.cli.args import parse_mesh
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.split import RowSplit
 from collective_loader.streaming import StreamingSource
 from collective_loader.testing import invariants
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
@@ -103,7 +104,7 @@ def test_only_the_leaders_nodes_fetch(s3, tmp_path: Path, placement: str, leader
             invariants.RankRecord(p.rank, p.dp_rank, p.stage, p.shard, rec["batches"])
             for p, rec in ((rec["place"], rec) for rec in records.values())
         ],
-        Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", ()),
+        Routing(INPUTS, LABELS, SEQ_DIMS, RowSplit("zigzag"), ()),
         lambda ids: expected(ids, SEQ),
         range(SAMPLES),
     )

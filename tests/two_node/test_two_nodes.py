@@ -27,6 +27,7 @@ from collective_loader import CollectiveLoader
 from collective_loader.cli.args import parse_mesh
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.split import RowSplit
 from collective_loader.streaming import StreamingSource
 from collective_loader.testing import invariants
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
@@ -241,7 +242,7 @@ def check_epoch(batches: list[list[dict[str, torch.Tensor]]]) -> None:
     for rank, steps in enumerate(batches):
         place = layout.place(rank)
         records.append(invariants.RankRecord(rank, place.dp_rank, place.stage, place.shard, steps))
-    routing = Routing(INPUTS, LABELS, SEQ_DIMS, "zigzag", ())
+    routing = Routing(INPUTS, LABELS, SEQ_DIMS, RowSplit("zigzag"), ())
     verdicts = invariants.check(records, routing, lambda ids: expected(ids, SEQ), range(SAMPLES))
     assert all(v.ok for v in verdicts), [f"{v.name}: {v.detail}" for v in verdicts if not v.ok]
 

@@ -20,7 +20,7 @@ from packed_documents import DIM, HEADS, check_balanced_attention, random_batch
 
 from collective_loader import BalancedDocuments, PerDocument
 from collective_loader.errors import BatchError
-from collective_loader.plan.balanced import METADATA, Deal
+from collective_loader.plan.balanced import Deal
 from collective_loader.plan.routing import Routing
 
 SIZES = [(1,), (2,), (4,), (8,), (2, 2), (2, 3)]  # cp, or cp x sp in mesh order
@@ -82,7 +82,7 @@ def test_positions_count_on_in_split_padding_and_from_zero_in_the_padding_segmen
     for piece in all_pieces(routing, batch, sizes):
         # the positions key equals each token's position in its (padded) document or segment
         assert torch.equal(piece["positions"], piece["document_positions"])
-        assert "cu_seqlens" not in piece and set(METADATA) <= set(piece)
+        assert "cu_seqlens" not in piece and set(BalancedDocuments.metadata) <= set(piece)
 
 
 @given(
@@ -152,7 +152,7 @@ def test_the_work_figures_are_those_of_the_pieces_each_rank_gets(mix, sizes, c):
             doc, pos = p["document_ids"][0], p["document_positions"][0]
             real = (doc >= 0) & (pos < docs.lengths[doc.clamp(min=0)])
             costs.append(float((2 * pos[real] + 1).sum()) + linear * int(real.sum()))
-        work = split.work(docs, sizes)
+        work = split.work(batch, sizes)
         assert work.costs == pytest.approx(costs) and work.tokens == length * len(layout), (split, work, costs)
         assert {p["document_ids"].shape[1] for p in pieces} == {work.slots}
 

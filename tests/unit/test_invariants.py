@@ -11,6 +11,7 @@ from ranks import KEYS, id_batches, sample_batch
 from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.split import RowSplit
 from collective_loader.testing.invariants import RankRecord, check
 
 DIMS, SHAPE = ("pp", "dp", "cp", "tp"), (3, 2, 2, 2)
@@ -21,7 +22,7 @@ def _records(layout="zigzag", every_stage=()) -> tuple[list[RankRecord], Routing
     """What a correct delivery gives every rank, computed without processes."""
     mesh = MeshLayout.build(DIMS, SHAPE, range(24))
     shard_dims = (("cp", 2),)
-    routing = Routing(KEYS["inputs"], KEYS["labels"], KEYS["seq_dims"], layout, shard_dims, every_stage)
+    routing = Routing(KEYS["inputs"], KEYS["labels"], KEYS["seq_dims"], RowSplit(layout), shard_dims, every_stage)
     records = []
     for rank in range(24):
         place = mesh.place(rank)

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from collective_loader.delivery.config import LoaderConfig
 from collective_loader.errors import BatchError
-from collective_loader.plan import documents
 from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.routing import Routing
 
@@ -167,7 +167,7 @@ def test_pieces_reassemble_and_keep_every_valid_token(case, sizes, form):
     assert isinstance(split, PerDocument)
     pieces = [routing.piece(batch, levels) for levels in all_levels(sizes)]
     for key in SEQ_DIMS:
-        rebuilt = split.unshard([p[key] for p in pieces], sizes, split.documents(batch))
+        rebuilt = split.unshard([p[key] for p in pieces], sizes, 1, batch)
         assert torch.equal(rebuilt.reshape(batch[key].shape), batch[key]), key
     assert sum(int((p["labels"] != -100).sum()) for p in pieces) == batch["labels"].numel()
     assert sum(float(p["mask"].sum()) for p in pieces) == float(batch["mask"].sum())
@@ -284,7 +284,6 @@ def test_computed_keys_in_the_batch_are_refused_by_name():
             dict(split=PerDocument(cu_seqlens="cu", positions="ids", pad_values={"ids": 0})),
             "counts on through the padding",
         ),
-        (dict(split="per_document"), r"or a PerDocument\(...\)"),
     ],
 )
 def test_construction_errors(kwargs, match):
@@ -303,6 +302,11 @@ def test_construction_errors(kwargs, match):
         Routing(**args)
 
 
+def test_a_split_name_is_a_whole_row_split_only():
+    with pytest.raises(ValueError, match=r"one of \('contiguous', 'zigzag'\) or a split object"):
+        LoaderConfig(split="per_document")
+
+
 @pytest.mark.parametrize(
     "kwargs, exc",
     [(dict(), ValueError), (dict(cu_seqlens=3), TypeError), (dict(cu_seqlens="cu", pad_values={"x": True}), TypeError)],
@@ -319,7 +323,7 @@ def test_pad_values_are_sorted_so_every_rank_describes_the_split_alike():
 
 
 def test_metadata_names():
-    assert documents.METADATA == (
+    assert PerDocument.metadata == (
         "cu_seqlens",
         "cu_seqlens_padded",
         "max_seqlen",

@@ -7,10 +7,12 @@ import torch
 
 from collective_loader.errors import BatchError
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.split import RowSplit
 
 
 def routing(split="zigzag", shard_dims=(("cp", 2),), seq_dims=None, inputs=("ids", "pos"), labels=("labels", "pos")):
-    return Routing(inputs, labels, {"ids": 1, "labels": 1} if seq_dims is None else seq_dims, split, shard_dims)
+    seq = {"ids": 1, "labels": 1} if seq_dims is None else seq_dims
+    return Routing(inputs, labels, seq, RowSplit(split), shard_dims)
 
 
 def batch(length=8):
@@ -48,8 +50,8 @@ def test_constructor_errors(kwargs, exc, match):
 
 
 def test_labels_only_and_inputs_only_are_valid():
-    assert Routing((), ("y",), {}, "contiguous").keys == ("y",)
-    assert Routing(("x",), (), {"x": 0}, "contiguous").keys == ("x",)
+    assert Routing((), ("y",), {}, RowSplit("contiguous")).keys == ("y",)
+    assert Routing(("x",), (), {"x": 0}, RowSplit("contiguous")).keys == ("x",)
 
 
 # --- select -----------------------------------------------------------------------------------
@@ -68,14 +70,14 @@ def test_select_stages_in_batch_order():
 
 
 def test_select_key_in_both_goes_to_both_stages():
-    r = Routing(("x", "shared"), ("shared", "y"), {}, "contiguous")
+    r = Routing(("x", "shared"), ("shared", "y"), {}, RowSplit("contiguous"))
     b = {"y": 1, "shared": 2, "x": 3}
     assert r.select(b, "first") == {"shared": 2, "x": 3}
     assert r.select(b, "last") == {"y": 1, "shared": 2}
 
 
 def test_every_stage_keys_reach_every_stage_middle_included():
-    r = Routing(("x",), ("y",), {"cu": 0}, "contiguous", every_stage=("cu",))
+    r = Routing(("x",), ("y",), {"cu": 0}, RowSplit("contiguous"), every_stage=("cu",))
     b = {"cu": torch.tensor([0, 3, 8]), "y": 1, "x": 3}
     assert r.keys == ("x", "y", "cu")
     assert list(r.select(b, "first")) == ["cu", "x"]
@@ -94,13 +96,13 @@ def test_every_stage_keys_reach_every_stage_middle_included():
     ],
 )
 def test_every_stage_errors(kwargs, exc, match):
-    args = dict(inputs=("x",), labels=("y",), seq_dims={}, split="contiguous", every_stage=("cu",)) | kwargs
+    args = dict(inputs=("x",), labels=("y",), seq_dims={}, split=RowSplit("contiguous"), every_stage=("cu",)) | kwargs
     with pytest.raises(exc, match=match):
         Routing(**args)
 
 
 def test_every_stage_alone_is_valid():
-    assert Routing((), (), {}, "contiguous", every_stage=("cu",)).select({"cu": 1}, "middle") == {"cu": 1}
+    assert Routing((), (), {}, RowSplit("contiguous"), every_stage=("cu",)).select({"cu": 1}, "middle") == {"cu": 1}
 
 
 # --- check ------------------------------------------------------------------------------------
@@ -217,13 +219,13 @@ def test_piece_shards_seq_keys_only():
 
 
 def test_piece_two_levels_zigzag():
-    r = Routing(("ids",), (), {"ids": 0}, "zigzag", (("cp", 2), ("sp", 2)))
+    r = Routing(("ids",), (), {"ids": 0}, RowSplit("zigzag"), (("cp", 2), ("sp", 2)))
     out = r.piece({"ids": torch.arange(16)}, [(2, 0), (2, 1)])
     assert out["ids"].tolist() == [2, 3, 12, 13]
 
 
 def test_piece_contiguous_and_plain_values():
-    r = Routing(("ids", "meta"), ("labels",), {"ids": 0, "labels": 0}, "contiguous", (("cp", 4),))
+    r = Routing(("ids", "meta"), ("labels",), {"ids": 0, "labels": 0}, RowSplit("contiguous"), (("cp", 4),))
     sel = {"ids": torch.arange(8), "meta": {"a": 1}, "labels": torch.arange(8) * 10}
     out = r.piece(sel, [(4, 3)])
     assert out["ids"].tolist() == [6, 7]
@@ -241,7 +243,7 @@ def test_piece_trivial_levels_pass_through(levels):
 
 
 def test_docstring_example():
-    r = Routing(("ids",), ("labels",), {"ids": 1, "labels": 1}, "contiguous", (("cp", 2),))
+    r = Routing(("ids",), ("labels",), {"ids": 1, "labels": 1}, RowSplit("contiguous"), (("cp", 2),))
     b = {"ids": torch.arange(8).view(2, 4), "labels": torch.arange(8).view(2, 4)}
     out = r.piece(r.select(b, "first"), [(2, 1)])
     assert list(out) == ["ids"]
