@@ -8,8 +8,9 @@ with ``labels.numel()``. So :class:`TitanDataLoader` delivers every key to every
 one int64 per token and key, small next to a stage's activations. Context parallelism is the
 trainer's job too (``prepare_context_parallel_input``), so sequences arrive whole on cp ranks.
 
-For TorchTitan's own Trainer, chosen on the command line (``--module collective_loader.integrations.titan_configs``),
-see :mod:`collective_loader.integrations.titan_configs`; this module does not import torchtitan.
+For TorchTitan's own Trainer see :mod:`collective_loader.integrations.titan_trainer` (and, on the
+command line, ``--module collective_loader.integrations.titan_configs``); this module does not
+import torchtitan.
 
 Its state is in TorchTitan's form, ``{"dp_rank_<i>": ..., "world_size": dp_size}``, with one
 entry. A source that re-partitions what was consumed over another DP degree
@@ -17,8 +18,7 @@ entry. A source that re-partitions what was consumed over another DP degree
 rank saves and reads the entry of DP rank 0, ``dp_rank_0``: DCP writes a value that every rank
 saves under the same key once, and any rank of any new mesh reads it. Another source keeps each
 replica's own position, under its own ``dp_rank_<i>``, and resumes on the same DP degree only.
-A checkpoint of the earlier per-DP-rank form of a streaming source still loads (its ``dp_rank_0``
-is every replica's state). The entry is one opaque leaf, as in TorchTitan, because
+The entry is one opaque leaf, as in TorchTitan, because
 ``torch.distributed.checkpoint`` (DCP) loads into the structure that a fresh ``state_dict()``
 returns. A nested entry there would be ``{"source": None, ...}`` and would not match a saved
 ``{"source": {...}}``. The leaf is written with ``torch.save`` and read back with
@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.loader import CollectiveLoader
 
+DATA_MESH = ["pp", "batch", "cp", "tp"]  # TorchTitan's data-loading mesh (ParallelDims.build_mesh)
 SHARED = "dp_rank_0"  # the entry of a state that is the same on every rank (see the module's docstring)
 # options that would contradict what TorchTitan's trainer expects of its dataloader
 REFUSED = {
@@ -122,18 +123,20 @@ class TitanDataLoader:
             self.loader.load_state_dict(state)
 
     def loader_state(self, state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The ``CollectiveLoader`` state in TorchTitan's ``state_dict``: this rank's entry, else
-        ``dp_rank_0`` (a state every rank shares); ``None`` to start afresh. Raises ``ValueError``
-        for another DP degree unless the source re-partitions (``source_elastic``)."""
+        """The ``CollectiveLoader`` state in TorchTitan's ``state_dict``: ``dp_rank_0`` when it holds
+        a state every rank shares (``source_elastic``), else this rank's entry; ``None`` to start
+        afresh. Raises ``ValueError`` for another DP degree unless the source re-partitions."""
         if not state_dict:
             return None
-        entry = self._rank_id if self._rank_id in state_dict else SHARED
-        state = torch.load(io.BytesIO(state_dict[entry]), weights_only=True) if entry in state_dict else None
-        if state is None or (entry != self._rank_id and not state["source_elastic"]):  # another replica's own
+        shared = _read(state_dict.get(SHARED))
+        if shared is not None and shared["source_elastic"]:
+            return shared
+        state = shared if self._rank_id == SHARED else _read(state_dict.get(self._rank_id))
+        if state is None:
             warnings.warn(f"dataloader state has no entry {self._rank_id!r}: starting from the beginning", stacklevel=3)
             return None
         saved = state_dict.get("world_size")
-        if saved != self.dp_world_size and not state["source_elastic"]:
+        if saved != self.dp_world_size:
             raise ValueError(
                 f"the dataloader state was saved with world_size={saved!r} data-parallel ranks and this run has "
                 f"{self.dp_world_size}; its source keeps each replica's own position, which cannot be re-partitioned "
@@ -144,3 +147,8 @@ class TitanDataLoader:
     def close(self) -> None:
         """Stop the loader's transfers; call on every rank before ``destroy_process_group()``."""
         self.loader.close()
+
+
+def _read(entry: bytes | None) -> dict[str, Any] | None:
+    """A ``CollectiveLoader`` state from the leaf :meth:`TitanDataLoader.state_dict` wrote (``None``: no entry)."""
+    return None if entry is None else torch.load(io.BytesIO(entry), weights_only=True)

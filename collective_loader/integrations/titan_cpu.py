@@ -4,7 +4,7 @@ A launcher with TorchTitan's command line: under torchrun, ``-m collective_loade
 in place of ``-m torchtitan.train``, every flag unchanged::
 
     torchrun --nproc-per-node 4 -m collective_loader.integrations.titan_cpu \\
-        --module collective_loader.titan_configs --config llama3_debugmodel \\
+        --module collective_loader.integrations.titan_configs --config llama3_debugmodel \\
         --dataloader.dataset c4_test --dataloader.dataset_path ./my_text --hf_assets_path ./my_tokenizer \\
         --parallelism.pipeline_parallel_degree 2 --training.steps 4
 

@@ -5,7 +5,7 @@ tokenizer=, seq_len=, local_batch_size=, ...)``, on every rank: every pipeline s
 cp rank of a replica opens the same data and tokenizes the same documents. :func:`wrap_dataloader`
 turns such a config (``HuggingFaceTextDataLoader.Config``, ``ChatDataLoader.Config``, a
 ``BaseDataLoader.Config`` of your own, ...) into one that builds a :class:`ReplicaDataLoader`. It is
-the dataloader step of :func:`~collective_loader.integrations.titan_configs.load_once_per_replica`,
+the dataloader step of :func:`~collective_loader.integrations.titan_trainer.load_once_per_replica`,
 which also extends the trainer to hand the wrapped configs their mesh; outside TorchTitan's
 Trainer, give the mesh yourself: ``wrap_dataloader(config, mesh=mesh)``.
 
@@ -26,7 +26,7 @@ Trainer, give the mesh yourself: ``wrap_dataloader(config, mesh=mesh)``.
 The wrapped config is a subclass of the user's config class with the same fields (so
 ``--dataloader.<field>`` flags and TorchTitan's ``replace(config, infinite=...)`` keep working)
 plus two fields the command line does not see: the data-loading mesh, which the trainer hands over
-(:class:`~collective_loader.integrations.titan_configs.TitanTrainer`) or ``wrap_dataloader(config,
+(:class:`~collective_loader.integrations.titan_trainer.TitanTrainer`) or ``wrap_dataloader(config,
 mesh=)`` sets (:func:`with_mesh`), and the loader it built.
 TorchTitan's validator calls ``build()`` at every validation; the wrapped config builds its
 :class:`ReplicaDataLoader` once and afterwards has it build a fresh wrapped loader at the next
@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pickle
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
@@ -48,14 +49,32 @@ import tyro
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.components.dataloader import BaseDataLoader
 
-from collective_loader.integrations.titan import TitanDataLoader
+from collective_loader.integrations.titan import DATA_MESH
 from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.mesh import mesh_place
 
-__all__ = ["ReplicaDataLoader", "unwrap_dataloader", "with_mesh", "wrap_dataloader"]
+__all__ = ["NeedsMesh", "ReplicaDataLoader", "Wrapped", "unwrap_dataloader", "with_mesh", "wrap_dataloader"]
 
 # what a delivered batch holds: TorchTitan's pair, as one mapping every stage receives whole
 INPUT_DICT, LABELS = "input_dict", "labels"
+
+
+class NeedsMesh:
+    """A dataloader config whose loader needs TorchTitan's data-loading mesh, which the Trainer does
+    not pass to ``build()``: its ``_mesh`` field (hidden from the command line) takes it
+    (:func:`with_mesh`). ``TitanStreamingDataLoader.Config`` and every wrapped config are ones."""
+
+    __slots__ = ()
+    _mesh: DeviceMesh | None
+
+
+class Wrapped(NeedsMesh):
+    """A config from :func:`wrap_dataloader`: ``user_class`` is the config class it wraps, ``_built``
+    the :class:`ReplicaDataLoader` it built."""
+
+    __slots__ = ()
+    user_class: ClassVar[type[BaseDataLoader.Config]]
+    _built: ReplicaDataLoader | None
 
 
 class _LeaderSource:
@@ -136,11 +155,12 @@ class ReplicaDataLoader(BaseDataLoader):
     """
 
     def __init__(self, config: BaseDataLoader.Config, *, dp_world_size: int, dp_rank: int, **build: Any) -> None:
-        mesh: DeviceMesh | None = config._mesh  # type: ignore[attr-defined]
+        assert isinstance(config, Wrapped), type(config)  # built by _build_once only
+        mesh = config._mesh
         if mesh is None:
             raise ValueError(
                 f"{type(config).__qualname__} needs TorchTitan's data-loading mesh, which the Trainer does not pass "
-                "to dataloaders: build the trainer from collective_loader.integrations.titan_configs "
+                "to dataloaders: build the trainer from collective_loader.integrations.titan_trainer "
                 "(load_once_per_replica(config) does), or, outside the Trainer, wrap with wrap_dataloader(config, "
                 "mesh=mesh)"
             )
@@ -148,8 +168,8 @@ class ReplicaDataLoader(BaseDataLoader):
         if (place.dp_rank, place.dp_size) != (dp_rank, dp_world_size):
             raise ValueError(
                 f"the mesh puts this rank in replica {place.dp_rank} of {place.dp_size}, the Trainer in {dp_rank} of "
-                f"{dp_world_size}: give the dataloader the mesh of ParallelDims.get_optional_mesh(['pp', 'batch', "
-                "'cp', 'tp'], include_singleton_axes=True)"
+                f"{dp_world_size}: give the dataloader the mesh of ParallelDims.get_optional_mesh({DATA_MESH}, "
+                "include_singleton_axes=True)"
             )
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.build_args = {"dp_world_size": dp_world_size, "dp_rank": dp_rank, **build}
@@ -194,7 +214,7 @@ class ReplicaDataLoader(BaseDataLoader):
         self.loader.close()
 
 
-def _build_once(config: Any, **build: Any) -> ReplicaDataLoader:
+def _build_once(config: Wrapped, **build: Any) -> ReplicaDataLoader:
     """``build()`` of a wrapped config: one :class:`ReplicaDataLoader` per config object, renewed
     by each later ``build()`` with the same arguments (TorchTitan's validator builds at every
     validation)."""
@@ -202,34 +222,37 @@ def _build_once(config: Any, **build: Any) -> ReplicaDataLoader:
     if built is not None and built.build_args == build:
         built.renew()
         return built
-    config._built = ReplicaDataLoader(config, **build)
+    config._built = ReplicaDataLoader(config, **build)  # type: ignore[misc]  # a field of the made dataclass
     return config._built
 
 
-def _wrapped_class(config_class: type) -> type:
+# TorchTitan's ``Config.build()`` constructs ``type(config)._owner``, and the Trainer and tyro
+# take the dataloader config's class from the config function (``--dataloader.<field>`` are that
+# class's fields): so a wrapped config must be an instance of a subclass of the user's own config
+# class, made here at run time, one per class, whose ``build()`` makes a ReplicaDataLoader.
+def _wrapped_class(config_class: type[BaseDataLoader.Config]) -> type[BaseDataLoader.Config]:
     """The subclass of ``config_class`` that :func:`wrap_dataloader` returns instances of (made once)."""
-    if config_class in _WRAPPED_CLASSES:
-        return _WRAPPED_CLASSES[config_class]
+    if config_class not in _WRAPPED_CLASSES:
+        namespace: dict[str, Any] = {
+            "__module__": __name__,
+            "__qualname__": f"ReplicaDataLoader[{config_class.__qualname__}]",
+            "__annotations__": {
+                "_mesh": Annotated[DeviceMesh | None, tyro.conf.Suppress],
+                "_built": Annotated[Any, tyro.conf.Suppress],
+            },
+            "_mesh": None,
+            "_built": None,
+            "user_class": config_class,
+            "build": _build_once,
+        }
+        made = types.new_class(
+            namespace["__qualname__"], (config_class, Wrapped), exec_body=lambda ns: ns.update(namespace)
+        )
+        _WRAPPED_CLASSES[config_class] = dataclass(kw_only=True, slots=True)(made)
+    return _WRAPPED_CLASSES[config_class]
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(config_class):  # type: ignore[valid-type, misc]
-        _wrapped: ClassVar[type] = config_class
 
-        _mesh: Annotated[DeviceMesh | None, tyro.conf.Suppress] = None
-        """TorchTitan's data-loading mesh, set by the trainer (``TitanTrainer.init_distributed()``)."""
-
-        _built: Annotated[Any, tyro.conf.Suppress] = None
-        """The :class:`ReplicaDataLoader` this config built."""
-
-        build = _build_once
-
-    Config.__qualname__ = f"ReplicaDataLoader[{config_class.__qualname__}]"
-    Config.__name__ = Config.__qualname__
-    _WRAPPED_CLASSES[config_class] = Config
-    return Config
-
-
-_WRAPPED_CLASSES: dict[type, type] = {}
+_WRAPPED_CLASSES: dict[type, type[BaseDataLoader.Config]] = {}
 
 
 def wrap_dataloader(config: BaseDataLoader.Config, *, mesh: DeviceMesh | None = None) -> BaseDataLoader.Config:
@@ -248,8 +271,7 @@ def wrap_dataloader(config: BaseDataLoader.Config, *, mesh: DeviceMesh | None = 
     >>> unwrap_dataloader(wrapped) == HuggingFaceTextDataLoader.Config(dataset="c4_test")
     True
     """
-    owner = type(config)._owner
-    if not hasattr(type(config), "_wrapped") and not (owner is not None and issubclass(owner, TitanDataLoader)):
+    if not isinstance(config, NeedsMesh):
         config = _wrapped_class(type(config))(**_init_fields(config))
     return config if mesh is None else with_mesh(config, mesh)
 
@@ -265,16 +287,17 @@ def with_mesh(config: BaseDataLoader.Config, mesh: DeviceMesh) -> BaseDataLoader
     ...
     TypeError: HuggingFaceTextDataLoader.Config takes no mesh: wrap it first, wrap_dataloader(config, mesh=mesh)
     """
-    if not hasattr(config, "_mesh"):
+    if not isinstance(config, NeedsMesh):
         raise TypeError(f"{type(config).__qualname__} takes no mesh: wrap it first, wrap_dataloader(config, mesh=mesh)")
-    config._mesh = mesh  # type: ignore[attr-defined]  # a field of the wrapped class, not of BaseDataLoader.Config
+    config._mesh = mesh  # type: ignore[misc]  # a field of each config dataclass: no slot comes from a marker
     return config
 
 
 def unwrap_dataloader(config: BaseDataLoader.Config) -> BaseDataLoader.Config:
     """The user's config that ``config`` wraps (``config`` itself when it is not wrapped)."""
-    wrapped = getattr(type(config), "_wrapped", None)
-    return config if wrapped is None else wrapped(**_init_fields(config, wrapped))
+    if not isinstance(config, Wrapped):
+        return config
+    return config.user_class(**_init_fields(config, config.user_class))
 
 
 def _init_fields(config: Any, config_class: type | None = None) -> dict[str, Any]:

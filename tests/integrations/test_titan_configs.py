@@ -1,4 +1,4 @@
-"""``--module collective_loader.titan_configs --config NAME``: every config function of TorchTitan's
+"""``--module collective_loader.integrations.titan_configs --config NAME``: every config function of TorchTitan's
 model registries, its dataloaders wrapped (``load_once_per_replica``), parsed by TorchTitan's own
 ``ConfigManager`` as ``torchtitan.train`` does; a wrong name lists the available ones."""
 
@@ -14,7 +14,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.trainer import Trainer
 
 from collective_loader.integrations import titan_configs
-from collective_loader.integrations.titan_configs import CollectiveMesh, TitanTrainer, load_once_per_replica
+from collective_loader.integrations.titan_trainer import CollectiveMesh, TitanTrainer, load_once_per_replica
 from collective_loader.integrations.titan_wrap import ReplicaDataLoader, unwrap_dataloader
 
 FAMILIES = {  # a config function of each model family TorchTitan 0.3 ships
@@ -35,7 +35,7 @@ def plain(config) -> str:
 
 
 def test_every_registry_config_function_is_served_with_its_dataloaders_wrapped():
-    names = titan_configs._registry_configs()
+    names = titan_configs.registry_configs()
     assert {registry.split(".")[2] for registry in names.values()} == set(FAMILIES)
     assert set(FAMILIES.values()) <= set(names)
     served = 0
@@ -64,7 +64,7 @@ def parse(*args: str):
 
 
 def test_torchtitans_command_line_takes_the_configs_and_the_users_dataloader_flags():
-    module = "collective_loader.titan_configs"
+    module = "collective_loader.integrations.titan_configs"
     config = parse(
         "--module",
         module,
@@ -83,16 +83,13 @@ def test_torchtitans_command_line_takes_the_configs_and_the_users_dataloader_fla
     assert config.validator.dataloader.dataset == "c4_validation"
     flux = parse("--module", module, "--config", "flux_debugmodel", "--dataloader.dataset_path", "/data/cc12m")
     assert type(flux).__qualname__ == "Collective[FluxTrainer].Config" and flux.dataloader.dataset_path == "/data/cc12m"
-    # the module itself serves them too
-    loaded, _ = ConfigManager()._load_config(
-        ["--module", "collective_loader.integrations.titan_configs", "--config", "gpt_oss_debugmodel"]
-    )
+    loaded, _ = ConfigManager()._load_config(["--module", module, "--config", "gpt_oss_debugmodel"])  # tyro aside
     assert type(loaded) is TitanTrainer.Config and type(loaded.dataloader).__name__.startswith("ReplicaDataLoader[")
 
 
 def test_a_wrong_name_lists_the_config_functions_of_every_family():
     with pytest.raises(ValueError, match="Config function 'llama3_9b' not found") as e:
-        parse("--module", "collective_loader.titan_configs", "--config", "llama3_9b")
+        parse("--module", "collective_loader.integrations.titan_configs", "--config", "llama3_9b")
     for name in FAMILIES.values():
         assert f"'{name}'" in str(e.value), name
 

@@ -9,13 +9,13 @@ every flag as shown, in a fresh directory holding the local files the flags name
 * ``--hf_assets_path P``: a byte-level BPE of 1024 tokens trained on the documents (``titan_text``);
 * ``--dataloader.dataset_path P``: the documents as JSON lines (``P/train.jsonl``, ``{"text": ...}``),
   or, with ``--dataloader.text``, as an MDS dataset with a ``text`` column;
-* ``--module M`` other than ``collective_loader.titan_configs``: ``M.py``, the ```python block of
+* ``--module M`` other than ``collective_loader.integrations.titan_configs``: ``M.py``, the ```python block of
   the same page whose second line starts with ``# M.py``.
 
 It trains when it exits 0 with a finite loss logged at every step up to its ``--training.steps``
 (which the command must give, to end) on TorchTitan's metrics rank, the last below the first. A
 command that cannot run here (another launcher, an absolute path, no ``--training.steps``) fails,
-naming its place. A command shown twice (under both launchers) runs once. The commands on ``collective_loader.titan_configs`` run by default (~80 s each on
+naming its place. A command shown twice (under both launchers) runs once. The commands on ``collective_loader.integrations.titan_configs`` run by default (~80 s each on
 2 cores), the others are ``slow``. Each run has a timeout and is killed with every rank it started.
 """
 
@@ -34,7 +34,7 @@ import titan_text
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHERS = ("torchtitan.train", "collective_loader.integrations.titan_cpu")
-STOCK_MODULE = "collective_loader.titan_configs"
+STOCK_MODULE = "collective_loader.integrations.titan_configs"
 RUN_TIMEOUT = 480.0  # seconds for one run: 4 ranks start in ~50 s on 2 loaded cores, then a few s per step
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # TorchTitan colours its metrics line unless told not to
 
@@ -213,7 +213,7 @@ def test_commands_that_cannot_run_here_are_refused(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "README.md").write_text(
         "```bash\n"
-        "torchrun --nproc-per-node 2 -m torchtitan.train --module collective_loader.titan_configs \\\n"
+        "torchrun --nproc-per-node 2 -m torchtitan.train --module collective_loader.integrations.titan_configs \\\n"
         "    --config llama3_debugmodel --training.steps 3   # a comment\n"
         "torchrun --nnodes 2 --nproc-per-node 2 -m torchtitan.train --module m --config c --training.steps 3\n"
         "torchrun --nproc-per-node 2 -m torchtitan.train --module m --config c\n"

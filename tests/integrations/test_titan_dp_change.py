@@ -25,7 +25,7 @@ import pytest
 import titan_run
 import titan_text
 
-from collective_loader.integrations.titan_configs import GlobalBatch, TitanStreamingDataLoader, batch_flag
+from collective_loader.integrations.titan_streaming import GlobalBatch, TitanStreamingDataLoader, batch_flag
 from collective_loader.integrations.titan_wrap import check_degree, with_mesh
 
 SEQ = 8  # tokens per sample in the loader-level test

@@ -23,15 +23,11 @@ import numpy as np
 import pytest
 import titan_run
 import torch
-from torchtitan.trainer import Trainer
 
 from collective_loader.integrations import titan_configs
-from collective_loader.integrations.titan_configs import (
-    TitanStreamingDataLoader,
-    load_mds_once_per_replica,
-    titan_collate,
-    with_collective_loader,
-)
+from collective_loader.integrations.titan_batches import titan_collate
+from collective_loader.integrations.titan_streaming import TitanStreamingDataLoader
+from collective_loader.integrations.titan_trainer import load_mds_once_per_replica
 from collective_loader.integrations.titan_wrap import with_mesh
 
 SEQ, BATCH, DP = 64, 4, 2  # tokens per sample, TorchTitan's local batch, data-parallel replicas
@@ -49,8 +45,6 @@ def test_the_dataloader_config_names_what_to_change():
         titan_collate([{"tokens": np.arange(5)}], seq_len=8)
     with pytest.raises(TypeError, match="TitanStreamingDataLoader.Config is not the config of a TorchTitan Trainer"):
         load_mds_once_per_replica(TitanStreamingDataLoader.Config())
-    with pytest.warns(DeprecationWarning, match="load_mds_once_per_replica"):  # the earlier name still works
-        assert with_collective_loader(Trainer.Config(), dataset_path="/data/mds").dataloader.dataset_path == "/data/mds"
     with pytest.raises(AttributeError):
         titan_configs.llama3_no_such_config  # noqa: B018  --config names must be TorchTitan's config functions
     assert "llama3_8b" in dir(titan_configs)  # what TorchTitan lists when --config names none of them

@@ -27,12 +27,8 @@ import titan_text
 import torch
 
 from collective_loader import LeaderError
-from collective_loader.integrations.titan_configs import (
-    TitanStreamingDataLoader,
-    check_columns,
-    read_as,
-    titan_inputs,
-)
+from collective_loader.integrations.titan_batches import check_columns, titan_inputs
+from collective_loader.integrations.titan_streaming import TitanStreamingDataLoader, read_as
 from collective_loader.integrations.titan_wrap import with_mesh
 from collective_loader.text import Balance, Packing, TextColumn, TokenColumn
 

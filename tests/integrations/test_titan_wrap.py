@@ -31,7 +31,7 @@ from torchtitan.hf_datasets.text_datasets import (
 )
 
 from collective_loader import LeaderError, mesh_place
-from collective_loader.integrations.titan_configs import TitanStreamingDataLoader
+from collective_loader.integrations.titan_streaming import TitanStreamingDataLoader
 from collective_loader.integrations.titan_wrap import ReplicaDataLoader, unwrap_dataloader, with_mesh, wrap_dataloader
 
 PP, DP, CP = 2, 2, 2

@@ -32,7 +32,7 @@ from torchtitan.hf_datasets.text_datasets import (
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.trainer import Trainer
 
-from collective_loader.integrations.titan_configs import load_mds_once_per_replica, load_once_per_replica
+from collective_loader.integrations.titan_trainer import load_mds_once_per_replica, load_once_per_replica
 
 VALIDATION_FREQ, VALIDATION_STEPS = 4, 2
 

@@ -28,11 +28,9 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
 
 from collective_loader.integrations.titan import split_labels
-from collective_loader.integrations.titan_configs import (
-    TitanStreamingDataLoader,
-    llama3_debugmodel,
-    titan_collate,
-)
+from collective_loader.integrations.titan_batches import titan_collate
+from collective_loader.integrations.titan_configs import llama3_debugmodel
+from collective_loader.integrations.titan_streaming import TitanStreamingDataLoader
 
 VOCAB = 2048  # llama3_debugmodel's
 
