@@ -18,6 +18,7 @@ The package in layers (each imports only from the layers below it; ``tests/unit/
 import logging
 
 from collective_loader.delivery.config import LoaderConfig
+from collective_loader.delivery.source import Source
 from collective_loader.errors import (
     BatchError,
     CollectiveLoaderError,
@@ -50,6 +51,7 @@ __all__ = [
     "PerDocument",
     "Place",
     "ShardDownloadError",
+    "Source",
     "WireError",
     "mesh_place",
 ]

@@ -28,13 +28,12 @@ from collective_loader.delivery.agreement import control_group, run_phase
 from collective_loader.delivery.config import LoaderConfig, make_config
 from collective_loader.delivery.epoch import Epoch
 from collective_loader.delivery.settings import Settings, build_settings, log_settings
+from collective_loader.delivery.source import Source, build_source
 from collective_loader.delivery.state import share_state
-from collective_loader.delivery.workers import stop_dataloader_workers
 from collective_loader.errors import LeaderError
 from collective_loader.plan.mesh import MeshLayout, Place
 from collective_loader.plan.routing import Routing
-
-Batch = dict[str, Any]
+from collective_loader.types import Batch
 
 
 class CollectiveLoader:
@@ -77,9 +76,9 @@ class CollectiveLoader:
         control = control_group(config.timeout if config is not None else options.get("timeout", LoaderConfig.timeout))
         self.settings: Settings = build_settings(lambda: make_config(config, options), mesh, control)
         place = self.settings.place
-        self._source = run_phase(
+        self._source: Source | None = run_phase(
             control,
-            lambda: _resolve(source) if place.is_leader else None,
+            lambda: build_source(source) if place.is_leader else None,
             lambda rank, text: LeaderError(f"leader rank {rank} could not build its source: {text}"),
         )
         self._epoch: Epoch | None = None
@@ -97,10 +96,13 @@ class CollectiveLoader:
 
     @property
     def mesh_layout(self) -> MeshLayout:
+        """The mesh's dims with their roles and the arithmetic on its ranks (the same on every rank)."""
         return self.settings.mesh_layout
 
     @property
     def routing(self) -> Routing:
+        """What goes where: the keys each stage receives, each key's sequence dim, the split, the
+        shard dims (the same on every rank)."""
         return self.settings.routing
 
     @property
@@ -111,28 +113,34 @@ class CollectiveLoader:
 
     @property
     def dp_rank(self) -> int:
+        """This rank's data-parallel replica, 0 to ``dp_size - 1``."""
         return self.place.dp_rank
 
     @property
     def dp_size(self) -> int:
+        """The number of data-parallel replicas (and of leaders)."""
         return self.place.dp_size
 
     @property
     def is_leader(self) -> bool:
+        """Whether this rank loads its replica's batches."""
         return self.place.is_leader
 
     @property
     def is_first_stage(self) -> bool:
+        """Whether this rank is on the first pipeline stage (it receives the inputs)."""
         return self.place.is_first_stage
 
     @property
     def is_last_stage(self) -> bool:
+        """Whether this rank is on the last pipeline stage (it receives the labels)."""
         return self.place.is_last_stage
 
     @property
-    def source(self) -> Iterable[Mapping[str, Any]] | None:
-        """On a leader, the source it loads from (what ``source()`` returned, for a callable), for
-        its own figures, e.g. ``loader.source.packing_stats()``; ``None`` on every other rank,
+    def source(self) -> Source | None:
+        """On a leader, the :class:`~collective_loader.Source` it loads from (what ``source()``
+        returned, for a callable; a plain iterable in an
+        :class:`~collective_loader.delivery.source.IterableSource`); ``None`` on every other rank,
         which builds nothing. Iterate the loader, never the source."""
         return self._source
 
@@ -189,25 +197,23 @@ class CollectiveLoader:
         not consumed are not counted: after a resume they are delivered again.
 
         The source state is the leader's ``source.state_dict()`` taken right after the last
-        consumed batch, when the source has one (a ``StatefulDataLoader``,
-        :class:`collective_loader.streaming.StreamingSource`); otherwise ``None``, and a resume
-        skips the consumed batches. A source with ``gather_state`` (a packing ``StreamingSource``)
-        turns it into one state over every leader there (a collective over the leaders), so that
-        every rank saves what every leader has trained.
+        consumed batch, as the source's ``checkpoint_state()`` turns it into what to save (a
+        packing ``StreamingSource``'s: one state over every leader, a collective over the
+        leaders, so that every rank saves what every leader has trained). A plain iterable without
+        a state has ``None`` there, and a resume skips the consumed batches.
         """
         epoch = self._epoch
         steps = epoch.steps if epoch is not None else 0
         source_state = epoch.source_state if epoch is not None else None
-        gather = getattr(self._source, "gather_state", None)
-        if self.is_leader and callable(gather):
-            source_state = gather(source_state)
+        if self._source is not None:
+            source_state = self._source.checkpoint_state(source_state)
         state = {
             "format": 1,
             "dp_size": self.dp_size,
             "epoch": max(self.epoch - 1, 0),
             "steps": steps,
             "source": source_state,
-            "source_elastic": bool(getattr(self._source, "supports_elastic_resume", False)),
+            "source_elastic": self._source is not None and self._source.elastic,
         }
         return share_state(self.settings, state)
 
@@ -215,8 +221,8 @@ class CollectiveLoader:
         """Resume from :meth:`state_dict` at the next ``iter(loader)``; call on every rank.
 
         Raises ``ValueError`` for a state this loader cannot resume: another format, or another
-        DP degree with a source that cannot re-partition (only sources that declare
-        ``supports_elastic_resume``, such as ``StreamingSource`` with the same global batch, can).
+        DP degree with a source that cannot re-partition (only ``elastic`` sources, such as
+        ``StreamingSource``'s with the same global batch, can).
         """
         if not isinstance(state, Mapping) or state.get("format") != 1:
             raise ValueError(f"not a CollectiveLoader state (format 1): {str(state)[:200]}")
@@ -236,29 +242,23 @@ class CollectiveLoader:
         """
         if self._epoch is not None:
             self._epoch.close()
-        if self._epoch is None or not self._epoch.in_source():
-            # a DataLoader with persistent_workers keeps its workers after the last epoch
-            stop_dataloader_workers(self._source)
-        close_source = getattr(self._source, "close", None)
-        if callable(close_source):
+        if self._source is not None:
             if self._epoch is not None and self._epoch.in_source():
                 warnings.warn("the source is still inside a stalled call; it is left open", stacklevel=2)
             else:
-                close_source()
+                self._source.close()
         _LIVE.discard(self)
 
     def stats(self) -> dict[str, float]:
         """Collectives and bytes this rank has sent and received through its delivery groups; on a
-        leader whose source reports its own figures (a packing ``StreamingSource``'s
-        ``packing_stats()``: documents, rows, padding, and with balancing the replicas' cost
+        leader, its source's own ``stats()`` (a packing ``StreamingSource``'s: documents, rows, padding, and with balancing the replicas' cost
         max/mean), those too; on a leader under a per-document split, the work over the shard
         ranks (``cp_cost_max_over_mean``, its ``_worst``, ``cp_padding``: see
         :class:`~collective_loader.plan.documents.ShardWorkTally`)."""
         out: dict[str, float] = dict(self.settings.groups.traffic())
         out.update(self.settings.shard_work.figures())
-        figures = getattr(self._source, "packing_stats", None)
-        if callable(figures):
-            out.update(figures())
+        if self._source is not None:
+            out.update(self._source.stats())
         return out
 
     def __enter__(self) -> CollectiveLoader:
@@ -276,15 +276,3 @@ def _close_live_loaders() -> None:
     # A thread left inside a gloo collective at interpreter exit aborts the process.
     for loader in list(_LIVE):
         loader.close()
-
-
-def _resolve(source: Any) -> Iterable[Mapping[str, Any]]:
-    """A leader's source: ``source`` itself, or what calling it returns."""
-    if hasattr(source, "__iter__"):
-        return source
-    if not callable(source):
-        raise TypeError(f"source must be an iterable or a callable, got {type(source).__qualname__}")
-    built = source()
-    if not hasattr(built, "__iter__"):
-        raise TypeError(f"source() returned a {type(built).__qualname__}, which is not iterable")
-    return built

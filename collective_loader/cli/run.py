@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -30,7 +30,7 @@ from collective_loader.delivery.transport import new_group
 from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
-from collective_loader.streaming import StreamingSource
+from collective_loader.streaming import PackedStream, StreamingSource
 from collective_loader.testing import invariants
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, write_dataset
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE
@@ -122,31 +122,51 @@ def finish(loader: CollectiveLoader, steps: list[Any], seconds: float) -> tuple[
     loader.close()
     place = loader.place
     record = invariants.RankRecord(place.rank, place.dp_rank, place.stage, place.shard, steps)
-    packed = (made.made, made.stream.packing_stats()) if made is not None else None
+    packed = (made.made, made.stats()) if made is not None else None
     return record, place.coords, place.is_leader, stats, seconds, packed
 
 
 class NumberedRows:
-    """A packing leader's stream with each row numbered in a ``sample_id`` key (``dp_rank * 10**6
-    + row``), and every batch it made kept, so the checks can rebuild what each rank must hold."""
+    """A packing leader's stream (a :class:`~collective_loader.Source`) with each row numbered in
+    a ``sample_id`` key (``dp_rank * 10**6 + row``), and every batch it made kept, so the checks
+    can rebuild what each rank must hold. Otherwise the stream itself: its state, figures, close."""
 
-    def __init__(self, stream: Any, dp_rank: int) -> None:
+    def __init__(self, stream: PackedStream, dp_rank: int) -> None:
         self.stream, self.dp_rank = stream, dp_rank
+        self.elastic = stream.elastic
         self.made: dict[tuple[int, ...], dict[str, Any]] = {}
 
     @classmethod
     def of(cls, source: StreamingSource) -> NumberedRows:
         """The leader's stream of ``source``, numbered (``CollectiveLoader`` calls it on leaders)."""
-        return cls(source(), source.place.dp_rank)
+        stream = source()
+        assert isinstance(stream, PackedStream), "the demo numbers packed rows"
+        return cls(stream, source.place.dp_rank)
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         row = self.dp_rank * 10**6
         for batch in self.stream:
+            batch = dict(batch)
             n = len(batch["input_ids"])
             batch["sample_id"] = torch.arange(row, row + n)
             row += n
             self.made[tuple(batch["sample_id"].tolist())] = batch
             yield batch
+
+    def state_dict(self) -> Any:
+        return self.stream.state_dict()
+
+    def resume(self, state: Any, steps: int) -> None:
+        self.stream.resume(state, steps)
+
+    def checkpoint_state(self, snapshot: Any) -> Any:
+        return self.stream.checkpoint_state(snapshot)
+
+    def stop(self) -> None:
+        self.stream.stop()
+
+    def stats(self) -> dict[str, float]:
+        return self.stream.stats()
 
     def close(self) -> None:
         self.stream.close()

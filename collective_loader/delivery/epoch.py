@@ -13,7 +13,6 @@ import collections
 import contextlib
 import logging
 import time
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
@@ -23,12 +22,12 @@ from collective_loader.delivery import protocol
 from collective_loader.delivery.device import hand_over
 from collective_loader.delivery.prefetch import Prefetcher
 from collective_loader.delivery.settings import Settings
+from collective_loader.delivery.source import Source
 from collective_loader.delivery.watchdog import StallWatch
-from collective_loader.delivery.workers import stop_workers
 from collective_loader.errors import DeliveryError
 from collective_loader.plan.wire import Kind
+from collective_loader.types import Batch
 
-Batch = dict[str, Any]
 JOIN_WAIT = 5.0  # seconds to wait for a transfer thread that has delivered its last step
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ class Epoch(Iterator[Batch]):
     current stream wait for the batch's copy to the GPU.
     """
 
-    def __init__(self, settings: Settings, source: Any, resume: Mapping[str, Any] | None) -> None:
+    def __init__(self, settings: Settings, source: Source | None, resume: Mapping[str, Any] | None) -> None:
         self.settings = settings
         self.source = source
         self._resume = resume
@@ -65,7 +64,8 @@ class Epoch(Iterator[Batch]):
                 lambda step: self._prefetch.interrupt(leader.stalled(step)),
                 f"{name}-watch",
             )
-            leader = protocol.LeaderStep(settings, stream, self._load, self._source_state, watch)
+            assert source is not None, "a leader has a source"
+            leader = protocol.LeaderStep(settings, stream, self._load, source.state_dict, watch)
             self._watch, self._step = watch, leader
         else:
             self._step = protocol.MemberStep(settings, stream)
@@ -163,10 +163,9 @@ class Epoch(Iterator[Batch]):
         """End the source's iteration now (its DataLoader workers exit), unless the transfer
         thread is still inside it (a stalled source keeps it)."""
         if self._source_iter is not None and not self.in_source():
-            stop_workers(self._source_iter, self.source)
-            close_generator = getattr(self._source_iter, "close", None)
-            if callable(close_generator):
-                close_generator()
+            assert self.source is not None
+            self.source.stop()
+            self._source_iter = None
 
     def _close_watch(self) -> None:
         if self._watch is not None and not self._prefetch.alive():
@@ -180,26 +179,8 @@ class Epoch(Iterator[Batch]):
 
     def _load(self, step: int) -> Mapping[str, Any]:
         if self._source_iter is None:
-            self._source_iter = self._start_source()
+            assert self.source is not None
+            if self._resume is not None:
+                self.source.resume(self._resume["source"], self._resume["steps"])
+            self._source_iter = iter(self.source)
         return next(self._source_iter)
-
-    def _source_state(self) -> Any:
-        source = self.source
-        return source.state_dict() if hasattr(source, "state_dict") else None
-
-    def _start_source(self) -> Iterator[Mapping[str, Any]]:
-        """``iter(source)``, resumed where a loaded state says."""
-        source = self.source
-        resume = self._resume
-        if resume is not None and resume["source"] is not None and hasattr(source, "load_state_dict"):
-            source.load_state_dict(resume["source"])
-            return iter(source)  # type: ignore[arg-type]
-        it = iter(source)  # type: ignore[arg-type]
-        if resume is not None and resume["steps"]:
-            warnings.warn(
-                f"the source has no state_dict/load_state_dict: resuming by skipping {resume['steps']} batches",
-                stacklevel=2,
-            )
-            for _ in range(resume["steps"]):
-                next(it)
-        return it

@@ -33,30 +33,25 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
 from collective_loader.delivery.leaders import LeaderGroup
-from collective_loader.delivery.workers import stop_dataloader_workers, stop_workers
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement
 from collective_loader.streaming.balancing import BalancedRows
-from collective_loader.streaming.cleanup import release, remove_stale
+from collective_loader.streaming.cleanup import remove_stale
 from collective_loader.streaming.leaders import leader_env, leaders_barrier, leaders_world
+from collective_loader.streaming.streams import BalancedStream, LeaderDataset, PackedStream, SampleStream
 from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import ColumnLayout, DocumentCollate, TextColumn, TokenColumn
 from collective_loader.text.packing import Packing
-from collective_loader.text.resume import Cursor, combine
 from collective_loader.text.rows import PackedRows
 
 Sample = Mapping[str, Any]
-CLOSE_WAIT = 60.0  # seconds a leader waits for the others before releasing shared files
 
 
 class StreamingSource:
@@ -144,7 +139,7 @@ class StreamingSource:
         self._dataloader_kwargs = dict(dataloader_kwargs or {})
         self._dataset_kwargs = dataset_kwargs
 
-    def __call__(self) -> LeaderStream:
+    def __call__(self) -> SampleStream | PackedStream:
         """Build the dataset and DataLoader (leaders only; ``CollectiveLoader`` calls this)."""
         if not self.place.is_leader:
             raise RuntimeError(f"rank {self.place.rank} is not a leader; only leaders build the dataset")
@@ -165,20 +160,15 @@ class StreamingSource:
             collate_fn=self._collate,
             **self._dataloader_kwargs,
         )
-        global_batch = self.documents_per_batch * self.place.dp_size
+        data = LeaderDataset(dataset, loader, self.documents_per_batch * self.place.dp_size, self._leaders)
         if self.packing is None:
-            return LeaderStream(dataset, loader, global_batch, self._leaders)
+            return SampleStream(data)
         world = (int(self._env["WORLD_SIZE"]), int(self._env["LOCAL_WORLD_SIZE"]))
-        balanced = None
-        if self._balance is not None:
-            balanced = BalancedRows(self.packing, self.batch_size, self.place.dp_rank, self._balance)
-        return LeaderStream(
-            dataset,
-            loader,
-            global_batch,
-            self._leaders,
-            PackedRows(self.packing, self.batch_size, self.place.dp_rank, world),
-            balanced,
+        rows = PackedRows(self.packing, self.batch_size, self.place.dp_rank, world)
+        if self._balance is None:
+            return PackedStream(data, rows)
+        return BalancedStream(
+            data, rows, BalancedRows(self.packing, self.batch_size, self.place.dp_rank, self._balance)
         )
 
 
@@ -197,176 +187,3 @@ def _check_text_options(layout: Any, packing: Packing | None, collate: Any, docu
         raise ValueError("with packing=, StreamingSource makes the batches itself: leave out collate=")
     if packing is None and documents_per_batch is not None:
         raise ValueError("documents_per_batch= is the packing's sample-batch: give it with packing=, or leave it out")
-
-
-class LeaderStream:
-    """A leader's dataset and DataLoader, and a state that says where it is in them.
-
-    Without packing, its state is streaming's own (``StreamingDataset.state_dict``) for the
-    *global* number of samples consumed, ``batches taken x global batch``, plus the global batch
-    size, which a resume must keep (``supports_elastic_resume``: the DP degree may change with
-    it). Streaming is asked once per epoch; the per-batch snapshots are arithmetic on that answer
-    (each call of streaming's ``state_dict`` after a resume maps one more shared-memory block
-    until exit).
-
-    With packing (``rows``), leaders take different numbers of samples per step, so each
-    snapshot holds this leader's packer cursor, and :meth:`gather_state` (collective over the
-    leaders, which ``CollectiveLoader.state_dict`` calls) turns the leaders' snapshots into one
-    state every rank saves: streaming's state at the lowest cursor step, and the hand-over of the
-    documents trained since (:mod:`collective_loader.text.resume`).
-    """
-
-    supports_elastic_resume = True
-
-    def __init__(
-        self,
-        dataset: Any,
-        loader: DataLoader,
-        global_batch: int,
-        leaders: LeaderGroup,
-        rows: PackedRows | None = None,
-        balanced: BalancedRows | None = None,
-    ) -> None:
-        self.dataset: Any = dataset
-        self.loader: DataLoader | None = loader
-        self.global_batch = global_batch
-        self.rows = rows
-        self.balanced = balanced
-        self._leaders = leaders
-        self._taken = 0
-        self._epoch_state: dict[str, Any] | None = None
-        self._batches: Any = None  # the DataLoader iterator of the current (or last) epoch
-
-    def __iter__(self) -> Iterator[Mapping[str, Any]]:
-        assert self.loader is not None, "LeaderStream used after close()"
-        self._taken, self._epoch_state = 0, None
-        batches = self._batches = iter(self.loader)
-        try:
-            if self.rows is not None and self.balanced is not None:
-                yield from self.balanced.batches(self.rows.row_lists(batches, self._first_step))
-                return
-            if self.rows is not None:
-                yield from self.rows.rows(batches, self._first_step)
-                return
-            for batch in batches:
-                self._epoch_start()  # the epoch has started: streaming knows its offset now
-                self._taken += 1
-                yield batch
-        except GeneratorExit:  # left early (CollectiveLoader.close): workers exit now, not at gc
-            stop_workers(batches, self.loader)
-            raise
-
-    def _epoch_start(self) -> dict[str, Any]:
-        if self._epoch_state is None:
-            self._epoch_state = self.dataset.state_dict(num_samples=0, from_beginning=False)
-        return self._epoch_state
-
-    def _first_step(self) -> int:
-        offset = self._epoch_start()["sample_in_epoch"]
-        if offset % self.global_batch:
-            raise ValueError(
-                f"the epoch resumed at sample {offset}, which is no whole number of steps of {self.global_batch} samples "
-                "(documents_per_batch x dp_size): resume a packing source from its own state"
-            )
-        return offset // self.global_batch
-
-    def state_dict(self) -> dict[str, Any]:
-        """Right after a batch: without packing, the state to resume from; with packing, this
-        leader's snapshot, which :meth:`gather_state` turns into that state."""
-        state = dict(self._epoch_start())
-        if self.rows is None:
-            state["sample_in_epoch"] += self._taken * self.global_batch
-            return {**state, "global_batch": self.global_batch}
-        cursor = self.rows.cursor()
-        state["sample_in_epoch"] = cursor.step * self.global_batch  # this leader's own; gather_state takes the lowest
-        packed = {"cursor": [cursor.step, cursor.index, cursor.offset], "iteration": self.rows.iteration}
-        return {**state, "global_batch": self.global_batch, "packing": packed}
-
-    def gather_state(self, state: Any) -> Any:
-        """Every leader's snapshot (:meth:`state_dict`) of the same step in one state, returned on
-        every leader: streaming's state at the lowest cursor step ``D`` over the leaders, and
-        ``packing = {"world": [leaders, leaders per node], "entries": (n, 4) int64 tensor}``, the
-        hand-over of the documents trained at steps ``>= D``. Collective over the leaders: call it
-        on every leader at the same step (``CollectiveLoader.state_dict`` does). Other states
-        (not packing, or already gathered) are returned as they are.
-        """
-        rows = self.rows
-        if rows is None or not isinstance(state, Mapping) or "cursor" not in state.get("packing", {}):
-            return state
-        if state["packing"]["iteration"] != rows.iteration:
-            raise RuntimeError("the packing state is of an earlier epoch than the one this leader is in")
-        cursor = Cursor(*state["packing"]["cursor"])
-        first = min(self._leaders.gather(cursor.step))
-        parts = self._leaders.gather(rows.log.hand_over(rows.dp_rank, cursor, first))
-        entries = combine(parts, rows.resumed, first)
-        rows.log.prune(first)
-        out = {k: v for k, v in state.items() if k != "packing"}
-        out["sample_in_epoch"] = first * self.global_batch
-        out["packing"] = {"world": list(rows.world), "entries": torch.from_numpy(entries)}
-        return out
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("global_batch") != self.global_batch:
-            raise ValueError(
-                f"the state was saved with a global batch of {state.get('global_batch')} samples; this run's is "
-                f"{self.global_batch} ({'documents_per_batch' if self.rows else 'batch_size'} x dp_size): streaming "
-                "resumes exactly only with the same global batch"
-            )
-        packed = state.get("packing")
-        if (packed is None) != (self.rows is None):
-            raise ValueError(
-                "the state was saved "
-                + ("with" if packed is not None else "without")
-                + " packing and this source "
-                + ("does not pack" if self.rows is None else "packs")
-                + ": resume with the source that saved it"
-            )
-        if packed is not None:
-            assert self.rows is not None
-            if "entries" not in packed:
-                raise ValueError(
-                    "a packing leader's own snapshot cannot resume: pass the state gather_state returns "
-                    "(CollectiveLoader.state_dict does)"
-                )
-            self.rows.resume(np.asarray(packed["entries"], dtype=np.int64).reshape(-1, 4), packed["world"])
-        self.dataset.load_state_dict({k: v for k, v in state.items() if k not in ("global_batch", "packing")})
-
-    def packing_stats(self) -> dict[str, float]:
-        """This leader's packing in the current (or last) epoch: ``documents`` taken, ``rows``
-        packed (padding rows included), ``tokens`` of documents in them, ``carried`` (tokens of a
-        document begun in an earlier row), ``padding`` (token slots of padding), ``dropped``
-        (tokens of the last partial rows and batch with ``at_end="drop"``). With
-        ``Packing(balance=...)`` also ``balanced_steps`` and, averaged over them, the replicas'
-        cost max/mean as the leaders packed the rows (``cost_max_over_mean_packed``) and as they
-        were placed (``cost_max_over_mean``). Empty without packing."""
-        if self.rows is None:
-            return {}
-        out: dict[str, float] = dict(self.rows.stats)
-        if self.balanced is not None:
-            figures = self.balanced.stats
-            steps = int(figures["steps"])
-            out["balanced_steps"] = steps
-            out["cost_max_over_mean_packed"] = figures["cost_ratio_packed"] / steps if steps else 1.0
-            out["cost_max_over_mean"] = figures["cost_ratio_placed"] / steps if steps else 1.0
-        return out
-
-    def close(self) -> None:
-        """Release the dataset's shared memory and lock files now rather than at interpreter exit.
-
-        Every leader calls it (``CollectiveLoader.close`` does); it first waits, at most
-        ``CLOSE_WAIT`` seconds, for the other leaders, which share the node's blocks and locks.
-        """
-        if self.dataset is None:
-            return
-        # the last epoch's workers: a packing leader's epoch can end at another leader's last step,
-        # leaving its DataLoader iterator (and workers) unfinished; and persistent_workers
-        stop_workers(self._batches, self.loader)
-        stop_dataloader_workers(self.loader)
-        dataset, self.dataset, self.loader = self.dataset, None, None
-        missing = self._leaders.wait_for_all(CLOSE_WAIT)
-        if missing is not None:
-            warnings.warn(
-                f"not every leader closed its dataset; leaving streaming's files in place: {missing}", stacklevel=2
-            )
-            return
-        release(dataset)

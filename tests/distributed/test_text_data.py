@@ -122,9 +122,9 @@ def leader_streams(data, name, dp, seq_len, rows, workers, state=None):
         return None
     stream = source()
     if state is not None:
-        stream.load_state_dict(state)
+        stream.resume(state, steps=0)
     batches = list(stream)
-    stats = stream.packing_stats()
+    stats = stream.stats()
     stream.close()
     return all_tokens(batches), stats
 
