@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from collective_loader.delivery.agreement import control_group, run_phase
 from collective_loader.delivery.config import LoaderConfig, make_config
 from collective_loader.delivery.epoch import Epoch
+from collective_loader.delivery.figures import ShardWorkTally
 from collective_loader.delivery.settings import Settings, build_settings, log_settings
 from collective_loader.delivery.source import Source, build_source
 from collective_loader.delivery.state import share_state
@@ -81,6 +82,7 @@ class CollectiveLoader:
             lambda: build_source(source) if place.is_leader else None,
             lambda rank, text: LeaderError(f"leader rank {rank} could not build its source: {text}"),
         )
+        self._shard_work = ShardWorkTally()  # a leader's work over its shard ranks, for stats()
         self._epoch: Epoch | None = None
         self._resume: dict[str, Any] | None = None
         self.epoch = 0  # epochs started
@@ -166,7 +168,7 @@ class CollectiveLoader:
         resume, self._resume = self._resume, None
         if resume is not None:
             self.epoch = resume["epoch"]
-        self._epoch = Epoch(self.settings, self._source, resume)
+        self._epoch = Epoch(self.settings, self._source, resume, self._shard_work)
         self.epoch += 1
         if resume is None or not resume["steps"]:
             return self._epoch
@@ -178,7 +180,7 @@ class CollectiveLoader:
         try:
             first = next(epoch)
         except StopIteration:
-            epoch = self._epoch = Epoch(self.settings, self._source, None)
+            epoch = self._epoch = Epoch(self.settings, self._source, None, self._shard_work)
             self.epoch += 1
             try:
                 first = next(epoch)
@@ -254,9 +256,9 @@ class CollectiveLoader:
         leader, its source's own ``stats()`` (a packing ``StreamingSource``'s: documents, rows, padding, and with balancing the replicas' cost
         max/mean), those too; on a leader under a per-document split, the work over the shard
         ranks (``cp_cost_max_over_mean``, its ``_worst``, ``cp_padding``: see
-        :class:`~collective_loader.plan.documents.ShardWorkTally`)."""
+        :class:`~collective_loader.delivery.figures.ShardWorkTally`)."""
         out: dict[str, float] = dict(self.settings.groups.traffic())
-        out.update(self.settings.shard_work.figures())
+        out.update(self._shard_work.figures())
         if self._source is not None:
             out.update(self._source.stats())
         return out

@@ -20,6 +20,7 @@ import torch
 
 from collective_loader.delivery import protocol
 from collective_loader.delivery.device import hand_over
+from collective_loader.delivery.figures import ShardWorkTally
 from collective_loader.delivery.prefetch import Prefetcher
 from collective_loader.delivery.settings import Settings
 from collective_loader.delivery.source import Source
@@ -42,7 +43,13 @@ class Epoch(Iterator[Batch]):
     current stream wait for the batch's copy to the GPU.
     """
 
-    def __init__(self, settings: Settings, source: Source | None, resume: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        source: Source | None,
+        resume: Mapping[str, Any] | None,
+        shard_work: ShardWorkTally,
+    ) -> None:
         self.settings = settings
         self.source = source
         self._resume = resume
@@ -65,7 +72,7 @@ class Epoch(Iterator[Batch]):
                 f"{name}-watch",
             )
             assert source is not None, "a leader has a source"
-            leader = protocol.LeaderStep(settings, stream, self._load, source.state_dict, watch)
+            leader = protocol.LeaderStep(settings, stream, self._load, source.state_dict, watch, shard_work)
             self._watch, self._step = watch, leader
         else:
             self._step = protocol.MemberStep(settings, stream)

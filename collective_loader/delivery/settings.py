@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.delivery.agreement import first_difference, run_phase
 from collective_loader.delivery.config import LoaderConfig
-from collective_loader.delivery.figures import ShardWorkTally
 from collective_loader.delivery.transport import Groups, build_groups, mesh_device
 from collective_loader.errors import ConfigMismatchError, ConstructionError
 from collective_loader.plan.mesh import MeshLayout, Place
@@ -38,8 +37,7 @@ class Settings:
     ``place``: this rank's; ``routing``: which keys go where and how sequences split; ``device``:
     where delivered tensors land; ``prefetch``: steps the transfer thread runs ahead
     (``config.prefetch`` or its default for this mesh); ``groups``: the process groups this rank
-    belongs to; ``shard_work``: on a leader under a per-document split, the running work figures
-    over the shard ranks of the micro-batches it split (counters, like ``groups``' traffic).
+    belongs to.
     """
 
     config: LoaderConfig
@@ -49,7 +47,6 @@ class Settings:
     device: torch.device
     prefetch: int
     groups: Groups
-    shard_work: ShardWorkTally = field(default_factory=ShardWorkTally)
 
 
 def build_settings(make_config: Callable[[], LoaderConfig], mesh: DeviceMesh, control: dist.ProcessGroup) -> Settings:

@@ -35,8 +35,6 @@ from typing import Any, Protocol, runtime_checkable
 
 from collective_loader.delivery.workers import stop_dataloader_workers, stop_workers
 
-Batch = Mapping[str, Any]
-
 
 @runtime_checkable
 class Source(Protocol):
@@ -54,7 +52,7 @@ class Source(Protocol):
 
     elastic: bool
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
         """One epoch's batches (mappings of str to tensors, nested mappings and plain values)."""
         ...
 
@@ -90,7 +88,7 @@ class Source(Protocol):
         ...
 
 
-def build_source(source: Iterable[Batch] | Callable[[], Iterable[Batch]]) -> Source:
+def build_source(source: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Mapping[str, Any]]]) -> Source:
     """A leader's source: ``source``, or what calling it returns, as a :class:`Source`
     (:func:`as_source`). ``TypeError`` if it is neither iterable nor a callable returning one.
 
@@ -107,7 +105,7 @@ def build_source(source: Iterable[Batch] | Callable[[], Iterable[Batch]]) -> Sou
     return as_source(source)
 
 
-def as_source(source: Iterable[Batch]) -> Source:
+def as_source(source: Iterable[Mapping[str, Any]]) -> Source:
     """``source`` itself if it is a :class:`Source`, else an :class:`IterableSource` around it.
 
     >>> as_source([{"x": 1}]).state_dict() is None
@@ -136,12 +134,12 @@ class IterableSource:
 
     elastic = False
 
-    def __init__(self, iterable: Iterable[Batch]) -> None:
+    def __init__(self, iterable: Iterable[Mapping[str, Any]]) -> None:
         self.iterable = iterable
         self._skip = 0  # batches to skip at the next iter(): a resume without a state
-        self._batches: Iterator[Batch] | None = None  # the current epoch's iterator
+        self._batches: Iterator[Mapping[str, Any]] | None = None  # the current epoch's iterator
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
         skip, self._skip = self._skip, 0
         batches = self._batches = iter(self.iterable)
         if skip:

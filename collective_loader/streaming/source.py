@@ -50,8 +50,7 @@ from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import ColumnLayout, DocumentCollate, TextColumn, TokenColumn
 from collective_loader.text.packing import Packing
 from collective_loader.text.rows import PackedRows
-
-Sample = Mapping[str, Any]
+from collective_loader.types import Sample
 
 
 class StreamingSource:

@@ -33,7 +33,6 @@ from collective_loader.streaming.cleanup import release
 from collective_loader.text.resume import Cursor, combine
 from collective_loader.text.rows import PackedRows
 
-Batch = Mapping[str, Any]
 CLOSE_WAIT = 60.0  # seconds a leader waits for the others before releasing shared files
 
 
@@ -133,7 +132,7 @@ class SampleStream:
         """The leader's ``StreamingDataset`` (``None`` after close)."""
         return self.data.dataset
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
         self._taken = 0
         for batch in self.data.batches():
             self.data.epoch_state()  # the epoch has started: streaming knows its offset now
@@ -183,7 +182,7 @@ class PackedStream:
         """The leader's ``StreamingDataset`` (``None`` after close)."""
         return self.data.dataset
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
         return self.rows.rows(self.data.batches(), self.data.first_step)
 
     def state_dict(self) -> dict[str, Any]:
@@ -252,7 +251,7 @@ class BalancedStream(PackedStream):
         super().__init__(data, rows)
         self.balanced = balanced
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
         return self.balanced.batches(self.rows.row_lists(self.data.batches(), self.data.first_step))
 
     def stats(self) -> dict[str, float]:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from collective_loader.delivery.agreement import control_group
 from collective_loader.delivery.config import LoaderConfig
+from collective_loader.delivery.figures import ShardWorkTally
 from collective_loader.delivery.prefetch import Prefetcher
 from collective_loader.delivery.protocol import (
     LeaderStep,
@@ -69,7 +70,7 @@ def by_hand(transport: str, delivery: str) -> dict:
     if place.is_leader:
         it = iter(batches)
         watch = StallWatch(60.0, lambda step: None, "test-watch")
-        protocol = LeaderStep(settings, None, lambda step: next(it), lambda: None, watch)
+        protocol = LeaderStep(settings, None, lambda step: next(it), lambda: None, watch, ShardWorkTally())
     else:
         protocol = MemberStep(settings, None)
     out = []
