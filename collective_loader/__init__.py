@@ -33,6 +33,7 @@ from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.balanced import BalancedDocuments
 from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.mesh import MeshLayout, Place, mesh_place
+from collective_loader.plan.split import Split
 
 # nothing is printed unless the application configures logging
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -52,6 +53,7 @@ __all__ = [
     "Place",
     "ShardDownloadError",
     "Source",
+    "Split",
     "WireError",
     "mesh_place",
 ]
