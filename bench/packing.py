@@ -178,7 +178,7 @@ def rank_main(args: tuple[Settings, str]) -> int:
                 tokens, slots = tokens + t, slots + n
             steps += 1
         wall = time.perf_counter() - start
-        stats = loader_.source.packing_stats() if loader_.source is not None else {}
+        stats = loader_.source.stats() if loader_.source is not None else {}
         loader_.close()  # joins the DataLoader workers: their CPU is in RUSAGE_CHILDREN from here
     record = {
         "rank": rank,

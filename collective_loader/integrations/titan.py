@@ -14,7 +14,7 @@ import torchtitan.
 
 Its state is in TorchTitan's form, ``{"dp_rank_<i>": ..., "world_size": dp_size}``, with one
 entry. A source that re-partitions what was consumed over another DP degree
-(``supports_elastic_resume``: a ``StreamingSource``) has the same state on every rank, so every
+(an ``elastic`` one: a ``StreamingSource``'s) has the same state on every rank, so every
 rank saves and reads the entry of DP rank 0, ``dp_rank_0``: DCP writes a value that every rank
 saves under the same key once, and any rank of any new mesh reads it. Another source keeps each
 replica's own position, under its own ``dp_rank_<i>``, and resumes on the same DP degree only.

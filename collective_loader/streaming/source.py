@@ -116,7 +116,7 @@ class StreamingSource:
         # would wait for them in a group creation until killed)
         self._env = leader_env(leaders, self.place.dp_rank, local_world_size)
         self._leaders = LeaderGroup.build(leaders, timeout, "streaming_leaders")
-        # balancing runs on the transfer thread: a group of its own, apart from gather_state's
+        # balancing runs on the transfer thread: a group of its own, apart from checkpoint_state's
         self._balance = (
             LeaderGroup.build(leaders, timeout, "balance") if packing is not None and packing.balance else None
         )
