@@ -204,11 +204,7 @@ def rows_data(tmp_path_factory) -> Data:
         "--metrics.disable_color_printing",
         "--checkpoint.enable",
     ]
-    seed = f"{root}/seed"
-    load_seed = titan_run.seed_checkpoint(
-        "titan_trainer_configs", "ours", [*flags, f"--dataloader.record={seed}"], seed
-    )
-    return Data(root, [*flags, load_seed], {})
+    return Data(root, [*flags, titan_run.llama3_seed(tmp_path_factory)], {})
 
 
 def saving_run(module: str, data: Data, name: str, flags: list[str]) -> str:
@@ -329,11 +325,7 @@ def text_data(tmp_path_factory) -> Data:
         "--metrics.disable_color_printing",
         "--checkpoint.enable",
     ]
-    seed = f"{root}/seed"
-    load_seed = titan_run.seed_checkpoint(
-        "titan_text_configs", "mds", flags, seed, env={**env, "CL_BATCHES": seed, "CL_TOUCH_LOG": f"{seed}.touches"}
-    )
-    return Data(root, [*flags, load_seed], env)
+    return Data(root, [*flags, titan_run.llama3_seed(tmp_path_factory)], env)
 
 
 def row_tokens(batches: list[dict]) -> list[int]:

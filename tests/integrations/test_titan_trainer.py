@@ -138,7 +138,7 @@ def train(
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Data:
-    """The MDS dataset and TorchTitan's seed checkpoint (one rank), shared by every run."""
+    """The MDS dataset and the flags of every run, from the session's seed checkpoint (``titan_run.llama3_seed``)."""
     from titan_trainer_configs import write_dataset
 
     root = str(tmp_path_factory.mktemp("titan"))
@@ -153,11 +153,7 @@ def data(tmp_path_factory) -> Data:
         "--metrics.disable_color_printing",
         "--checkpoint.enable",
     ]
-    seed = os.path.join(root, "seed")
-    load_seed = titan_run.seed_checkpoint(
-        "titan_trainer_configs", "ours", [*flags, f"--dataloader.record={seed}"], seed
-    )
-    return Data(root, [*flags, load_seed])
+    return Data(root, [*flags, titan_run.llama3_seed(tmp_path_factory)])
 
 
 @pytest.fixture(scope="module")

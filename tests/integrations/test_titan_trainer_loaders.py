@@ -46,7 +46,8 @@ class Data:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Data:
-    """The tokenizer, the datasets and TorchTitan's seed checkpoint (one rank), shared by every run."""
+    """The tokenizer, the datasets and the flags of every run, from the session's seed checkpoint
+    (``titan_run.llama3_seed``)."""
     root = str(tmp_path_factory.mktemp("titan_text"))
     docs, docs_b, val = (titan_text.documents(n, seed=s) for n, s in ((400, 1), (300, 2), (100, 3)))
     titan_text.write_tokenizer(f"{root}/tokenizer", docs + docs_b, vocab_size=1024)
@@ -72,9 +73,7 @@ def data(tmp_path_factory) -> Data:
         "--metrics.disable_color_printing",
         "--checkpoint.enable",
     ]
-    seed = f"{root}/seed"
-    load_seed = titan_run.seed_checkpoint("titan_text_configs", "text", flags, seed, env=_env(env, seed))
-    return Data(root, env, [*flags, load_seed])
+    return Data(root, env, [*flags, titan_run.llama3_seed(tmp_path_factory)])
 
 
 def _env(env: dict[str, str], out: str) -> dict[str, str]:

@@ -230,7 +230,8 @@ def write_token_bytes(out: str, tokenizer_dir: str, texts: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Data:
-    """The tokenizer, the text dataset and TorchTitan's seed checkpoint (one rank), shared by every run."""
+    """The tokenizer, the text dataset and the flags of every run, from the session's seed checkpoint
+    (``titan_run.llama3_seed``)."""
     from tokenizers import Tokenizer
 
     root = str(tmp_path_factory.mktemp("titan_mds_text"))
@@ -250,10 +251,8 @@ def data(tmp_path_factory) -> Data:
         "--metrics.disable_color_printing",
         "--checkpoint.enable",
     ]
-    seed = f"{root}/seed"
-    load_seed = titan_run.seed_checkpoint("titan_text_configs", "mds", flags, seed, env=_env(env, seed))
     bos = Tokenizer.from_file(f"{root}/tokenizer/tokenizer.json").token_to_id(BOS)
-    return Data(root, env, [*flags, load_seed], bos)
+    return Data(root, env, [*flags, titan_run.llama3_seed(tmp_path_factory)], bos)
 
 
 def _env(env: dict[str, str], out: str) -> dict[str, str]:

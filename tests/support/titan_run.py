@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 SUPPORT = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(SUPPORT))
@@ -45,6 +46,22 @@ def torchrun(
         seconds, code, text = _torchrun(ranks, module, config, flags, out, timeout, env, cwd)
     assert code == 0, f"exit {code} (-9: killed after {timeout}s):\n{text[-6000:]}"
     return seconds
+
+
+# what TorchTitan's seed checkpoint of llama3_debugmodel depends on: its model config and the
+# parameter dtype (the seed holds the model only; the data, the tokenizer and the mesh do not change it)
+SEED_FLAGS = ["--training.mixed_precision_param=float32", "--checkpoint.enable"]
+_SEEDS: dict[str, str] = {}  # pytest's base temporary directory -> the flag that starts a run from its seed
+
+
+def llama3_seed(tmp_path_factory: Any) -> str:
+    """The flag that starts a run of ``llama3_debugmodel`` (float32) from TorchTitan's seed checkpoint,
+    made once per pytest session (under its base temporary directory) and shared by the Trainer
+    tests of every module, so that runs on different meshes start from the same weights."""
+    base = str(tmp_path_factory.getbasetemp())
+    if base not in _SEEDS:
+        _SEEDS[base] = seed_checkpoint("titan_trainer_configs", "seed", SEED_FLAGS, os.path.join(base, "titan_seed"))
+    return _SEEDS[base]
 
 
 def seed_checkpoint(module: str, config: str, flags: list[str], out: str, env: dict[str, str] | None = None) -> str:

@@ -150,6 +150,33 @@ def _on_token_ids(config: Any) -> Any:
     return config
 
 
+class NoData(BaseDataLoader):
+    """The seed checkpoint's dataloader: the Trainer builds one, and saving the seed takes no batch."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        pass
+
+    def __init__(self, config: Config, **build: Any) -> None:
+        pass
+
+    def __iter__(self) -> Iterator[tuple[dict, torch.Tensor]]:
+        return iter(())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+def seed() -> Any:
+    """``llama3_debugmodel`` for ``titan_run.llama3_seed``: TorchTitan's seed checkpoint, no data."""
+    config = _on_token_ids(llama3_debugmodel())
+    config.dataloader = NoData.Config()
+    return config
+
+
 def ours() -> Any:
     config = _on_token_ids(llama3_debugmodel())
     config.dataloader = Recorded.Config()
