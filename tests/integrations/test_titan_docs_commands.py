@@ -15,8 +15,10 @@ every flag as shown, in a fresh directory holding the local files the flags name
 It trains when it exits 0 with a finite loss logged at every step up to its ``--training.steps``
 (which the command must give, to end) on TorchTitan's metrics rank, the last below the first. A
 command that cannot run here (another launcher, an absolute path, no ``--training.steps``) fails,
-naming its place. A command shown twice (under both launchers) runs once. The commands on ``collective_loader.integrations.titan_configs`` run by default (~80 s each on
-2 cores), the others are ``slow``. Each run has a timeout and is killed with every rank it started.
+naming its place. A command shown twice (under both launchers) runs once. The commands on
+``collective_loader.integrations.titan_configs`` run by default (about a minute each on 2 cores, most
+of it starting 4 ranks), the others are ``slow``. Each run has a timeout and is killed with every
+rank it started.
 """
 
 from __future__ import annotations
