@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from collective_loader import CollectiveLoader
-from collective_loader.delivery.protocol import APART_MIN_BYTES
+from collective_loader.delivery.modes import APART_MIN_BYTES
 from collective_loader.plan import wire
 
 MESH = (("pp", "cp", "tp"), (2, 2, 2))
