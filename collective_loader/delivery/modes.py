@@ -14,7 +14,7 @@ calls :meth:`Mode.pack`, :meth:`Mode.send` and :meth:`Mode.hand_over` on the lea
 
 Example (what a 2-rank CPU world's host broadcast channel packs)::
 
-    mode = mode_for(settings, settings.groups.channels["both"], stream=None)
+    mode = mode_for(settings, settings.groups.channels["first"], stream=None)
     packed = mode.pack(step, batch)    # leader: the message, and its own batch
     mode.send(packed)                  # leader: one broadcast (and one per large tensor)
     item = mode.receive(step, header, payload)   # the other rank
@@ -35,8 +35,8 @@ from collective_loader.delivery.transport import Channel
 from collective_loader.errors import BatchError, DeliveryError
 from collective_loader.plan import wire
 from collective_loader.plan.wire import Header, Kind
+from collective_loader.types import Batch
 
-Batch = dict[str, Any]
 # a host tensor of at least this many bytes is broadcast from its own memory, in a collective of
 # its own, instead of being copied into the step's message: the copy of a large tensor costs the
 # leader more than one more collective (16 MiB: docs/performance.md); below this, copying wins

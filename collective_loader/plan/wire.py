@@ -17,8 +17,8 @@ small tensors, and the sender copies none of the large ones.
 One way each way: :func:`encode` lays a batch out (:class:`Encoded`) and :meth:`Encoded.write`
 puts it in a message buffer; :func:`decode` checks a received payload's description
 (:class:`PayloadLayout`) and :meth:`PayloadLayout.batch` gives the batch as views of the payload.
-Nothing is cached from one message to the next: a description costs a few microseconds to encode
-or decode (``bench/step_cost.py`` shows no gain from reusing it).
+Nothing is cached from one message to the next: reusing the last description saved about 15 us
+per encode and 8 us per decode (a 2-tensor batch), a gain ``bench/step_cost.py`` does not resolve.
 
 The decoder checks every field against the buffer it was given before it creates a view, so
 corrupt or hostile input raises :class:`~collective_loader.errors.WireError` and never allocates
