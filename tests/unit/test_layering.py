@@ -42,8 +42,6 @@ def layer(module: str) -> str:
         return "core"
     if top in ("cli", "__main__"):
         return "app"
-    if top == "titan_configs":  # the command line's path to integrations.titan_configs
-        return "integrations"
     return top
 
 
