@@ -30,7 +30,8 @@ from s3_bucket import S3_BUCKET, s3_shards
 from collective_loader import CollectiveLoader, LeaderError
 from collective_loader.plan.routing import Routing
 from collective_loader.plan.split import RowSplit
-from collective_loader.streaming import StreamingSource, remove_stale
+from collective_loader.streaming import StreamingSource
+from collective_loader.streaming.cleanup import remove_stale
 from collective_loader.testing import invariants
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
