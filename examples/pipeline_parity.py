@@ -1,8 +1,9 @@
 """N-D parallel training whose loss matches single-process training, and the seed's naive set-up
 whose loss does not.
 
-    python examples/pipeline_parity.py            # the three default cases below (CI runs these)
+    python examples/pipeline_parity.py            # the three default cases below
     python examples/pipeline_parity.py --all      # every case with every schedule it supports
+    python examples/pipeline_parity.py --case pp2-dp2 --schedule GPipe  # the one the test suite runs
     python examples/pipeline_parity.py --case pp2-dp2-tp2 --schedule GPipe --steps 30
 
 A tiny decoder-only transformer (embedding, 8 causal self-attention blocks, head) is split into
@@ -24,12 +25,13 @@ and is not covered here. CollectiveLoader over a real ``StreamingDataset`` on MD
 written here feeds it: the first stage passes ``input_ids`` to ``schedule.step``, the last stage
 passes ``labels`` as the target.
 
-Then the same model, initial weights and global batches (the replicas' first-stage batches of
-each step, in dp order) are trained in one process, and the per-step losses are compared. Last,
-the seed's naive set-up (mosaicml/streaming#827): every rank builds its own ``StreamingDataset``
-with ``replication = tp * cp``, so the last stage computes the loss against labels of other
-samples than the first stage's inputs. Exit code 1 unless ours matches and the naive one does
-not, in every case run.
+Then, in the same world with a fresh copy of the model, the seed's naive set-up
+(mosaicml/streaming#827): every rank builds its own ``StreamingDataset`` with
+``replication = tp * cp``, so the last stage computes the loss against labels of other samples
+than the first stage's inputs. For each set-up, rank 0 then trains the same model, initial
+weights and global batches (the replicas' first-stage batches of each step, in dp order) in its
+own process alone, and the per-step losses are compared. Exit code 1 unless ours matches and the
+naive one does not, in every case run.
 
 TorchTitan on CPU: ``ParallelDims.build_mesh`` takes its device type from
 ``torchtitan.tools.utils``, which falls back to "cuda" without an accelerator, so this sets
@@ -52,20 +54,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-)
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
 from torch.utils.data import DataLoader
 
 from collective_loader import CollectiveLoader
@@ -76,12 +64,7 @@ from collective_loader.text import lm_collate
 
 VOCAB, SEQ, DIM, HEAD_DIM, LAYERS = 61, 32, 32, 8, 8
 SAMPLES = 512
-SCHEDULES = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "LoopedBFS": ScheduleLoopedBFS,
-}
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")  # torch.distributed.pipelining.Schedule<name>
 
 
 @dataclass(frozen=True)
@@ -117,7 +100,6 @@ class Args:
     batch_size: int = 8  # per replica and step; split into `microbatches`
     microbatches: int = 4
     lr: float = 0.5
-    naive: bool = False
     out: str = ""
 
 
@@ -163,16 +145,6 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-TP_PLAN = {
-    "q": ColwiseParallel(),
-    "k": ColwiseParallel(),
-    "v": ColwiseParallel(),
-    "proj": RowwiseParallel(),
-    "mlp.0": ColwiseParallel(),
-    "mlp.2": RowwiseParallel(),
-}
-
-
 class Model(nn.Module):
     """token ids (batch, seq) -> logits (batch, seq, VOCAB)."""
 
@@ -213,11 +185,14 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # --- one rank -------------------------------------------------------------------------------------
+# Only the ranks run these functions, and they import torch's distributed training APIs (FSDP2,
+# pipelining, DTensor), TorchTitan and streaming (also write_dataset's): the launching process
+# only starts the world and prints what rank 0 found, and would spend seconds importing them.
 
 
 def titan_dims(pp: int, dp: int, tp: int):
     """TorchTitan's ParallelDims with these degrees, its mesh built on the CPU (see the module
-    docstring); ``tests/test_titan.py`` uses it too."""
+    docstring); ``tests/integrations/test_titan_dataloader.py`` uses it too."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
     import torchtitan.distributed.parallel_dims as parallel_dims
 
@@ -227,9 +202,9 @@ def titan_dims(pp: int, dp: int, tp: int):
     return dims
 
 
-def batches(a: Args, mesh, tp: int):
+def batches(a: Args, mesh, tp: int, naive: bool):
     """This rank's batches: CollectiveLoader's, or the naive set-up's own StreamingDataset's."""
-    if not a.naive:
+    if not naive:
         source = StreamingSource(mesh, local=a.data, batch_size=a.batch_size, shuffle=True, shuffle_seed=3)
         loader = CollectiveLoader(
             source, mesh, inputs=("input_ids", "position_ids", "sample_id"), labels=("labels", "sample_id")
@@ -256,9 +231,29 @@ def batches(a: Args, mesh, tp: int):
         release(dataset)
 
 
-def rank_main(a: Args) -> int:
+def tp_plan() -> dict:
+    """Column-wise q, k, v and first MLP layer, row-wise attention output and second MLP layer."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "q": ColwiseParallel(),
+        "k": ColwiseParallel(),
+        "v": ColwiseParallel(),
+        "proj": RowwiseParallel(),
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(),
+    }
+
+
+def train(a: Args, dims, naive: bool) -> dict:
+    """Train a fresh model for ``a.steps`` steps on this rank, fed by CollectiveLoader or, if
+    ``naive``, by the naive set-up; this rank's record of the run."""
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
     case = CASES[a.case]
-    dims = titan_dims(case.pp, case.dp, case.tp)
     mesh = dims.get_optional_mesh(["pp", "batch", "cp", "tp"], include_singleton_axes=True)
     pp_rank, dp_rank, tp_rank = (mesh[d].get_local_rank() for d in ("pp", "batch", "tp"))
     n_stages = case.pp * case.stages_per_rank
@@ -267,16 +262,16 @@ def rank_main(a: Args) -> int:
     if case.tp > 1:
         for part in parts:
             for block in part.blocks:
-                parallelize_module(block, dims.get_mesh("tp"), TP_PLAN)
+                parallelize_module(block, dims.get_mesh("tp"), tp_plan())
     if case.fsdp:
         for part in parts:
             fully_shard(part, mesh=dims.get_mesh("dp_shard"))
     pp_group = dims.get_mesh("pp").get_group()
     stages = [
-        PipelineStage(part, pp_rank + i * case.pp, n_stages, torch.device("cpu"), group=pp_group)
+        pipelining.PipelineStage(part, pp_rank + i * case.pp, n_stages, torch.device("cpu"), group=pp_group)
         for i, part in enumerate(parts)
     ]
-    make = SCHEDULES[a.schedule]
+    make = getattr(pipelining, f"Schedule{a.schedule}")
     if case.stages_per_rank == 1:
         schedule = make(stages[0], n_microbatches=a.microbatches, loss_fn=loss_fn)
     else:
@@ -287,7 +282,7 @@ def rank_main(a: Args) -> int:
     average_grads = dp_group is not None and not case.fsdp  # FSDP2 reduce-scatters the mean itself
     first, last = pp_rank == 0, pp_rank == case.pp - 1
     losses, ids = [], []
-    stream = batches(a, mesh, case.tp)
+    stream = batches(a, mesh, case.tp, naive)
     for _, batch in zip(range(a.steps), stream):
         optimizer.zero_grad()
         if first:
@@ -301,7 +296,7 @@ def rank_main(a: Args) -> int:
                 dist.all_reduce(loss, group=dp_group)
             losses.append(loss.item() / case.dp)
         else:
-            assert a.naive or batch == {}, sorted(batch)  # middle stages: our loader gives them nothing
+            assert naive or batch == {}, sorted(batch)  # middle stages: our loader gives them nothing
             schedule.step()
         if average_grads:  # data parallel: average the gradients over the replicas
             for p in params:
@@ -310,10 +305,22 @@ def rank_main(a: Args) -> int:
                 grad /= case.dp
         optimizer.step()
     stream.close()  # the loader or the naive dataset is released here, on every rank
+    return {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank, "losses": losses, "ids": ids}
+
+
+def rank_main(a: Args) -> int:
+    """Both set-ups, one after the other, in this one world: CollectiveLoader's, then the naive
+    one; then rank 0 compares each with the single-process reference (``compared``)."""
+    case = CASES[a.case]
+    if dist.get_rank() == 0 and not os.path.exists(a.data):
+        write_dataset(a.data, SAMPLES)  # meanwhile the other ranks import TorchTitan in titan_dims
+    dims = titan_dims(case.pp, case.dp, case.tp)
+    dist.barrier()  # the shards are complete before any rank reads them
+    mine = [train(a, dims, naive) for naive in (False, True)]
     records: list = [None] * dist.get_world_size()
-    dist.all_gather_object(records, {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank, "losses": losses, "ids": ids})
-    if dist.get_rank() == 0:
-        torch.save(records, a.out)
+    dist.all_gather_object(records, mine)
+    if dist.get_rank() == 0:  # the other ranks are done
+        torch.save([compared(a, one_set_up) for one_set_up in zip(*records)], a.out)
     return 0
 
 
@@ -336,17 +343,22 @@ def reference_losses(a: Args, global_ids: list[list[int]]) -> list[float]:
     return out
 
 
-def run(a: Args) -> tuple[list[float], list[float]]:
-    """(distributed losses, reference losses on the first stage's global batches) for one set-up."""
+def compared(a: Args, records: tuple[dict, ...]) -> tuple[list[float], list[float]]:
+    """One set-up's (distributed losses, reference losses on the first stage's global batches),
+    from every rank's record of it."""
     case = CASES[a.case]
-    code = launch.run(rank_main, a, case.world, timeout=600)
-    if code:
-        raise SystemExit(f"the {a.case} {a.schedule} world failed with exit code {code}")
-    records = torch.load(a.out, weights_only=False)
     last = next(r for r in records if r["pp"] == case.pp - 1 and r["dp"] == 0 and r["tp"] == 0)
     firsts = sorted((r for r in records if r["pp"] == 0 and r["tp"] == 0), key=lambda r: r["dp"])
     global_ids = [sum((r["ids"][step] for r in firsts), []) for step in range(len(last["losses"]))]
     return last["losses"], reference_losses(a, global_ids)
+
+
+def run(a: Args) -> list[tuple[list[float], list[float]]]:
+    """For CollectiveLoader's set-up, then the naive one: (distributed losses, reference losses)."""
+    code = launch.run(rank_main, a, CASES[a.case].world, timeout=600)
+    if code:
+        raise SystemExit(f"the {a.case} {a.schedule} world failed with exit code {code}")
+    return torch.load(a.out)
 
 
 # float32: micro-batching, DP averaging and TP's partial sums change the summation order
@@ -378,12 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="cl_parity_")
     ok = True
     try:
-        data = os.path.join(tmp, "mds")
-        write_dataset(data, SAMPLES)
+        data = os.path.join(tmp, "mds")  # written by the first world's rank 0
         for name, schedule in runs:
-            for naive in (False, True):
-                a = Args(data, name, schedule, ns.steps, naive=naive, out=os.path.join(tmp, "records.pt"))
-                got, want = run(a)
+            a = Args(data, name, schedule, ns.steps, out=os.path.join(tmp, "records.pt"))
+            for naive, (got, want) in zip((False, True), run(a)):
                 worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
                 label = "naive replication" if naive else "collective_loader"
                 print(
