@@ -32,7 +32,8 @@ MESHES_12 = [
 ]
 MESHES_24 = [
     (("pp", "dp", "cp", "tp"), (3, 2, 2, 2)),  # Megatron order, full 4-D
-    (("pp", "dp_replicate", "dp_shard", "cp", "tp"), (3, 1, 2, 2, 2)),  # TorchTitan order
+    # TorchTitan order: its 8-rank form runs by default (MESHES_8), this one with -m slow
+    pytest.param(("pp", "dp_replicate", "dp_shard", "cp", "tp"), (3, 1, 2, 2, 2), marks=pytest.mark.slow),
 ]
 
 

@@ -242,7 +242,7 @@ def windows_epoch(path):
         ("bytes-short", 16, 0, 3),
         ("bytes-long", 24, 0, 5),
         pytest.param("bytes-short", 16, 2, 4, marks=pytest.mark.slow),
-        ("text", 16, 2, 2),
+        pytest.param("text", 16, 2, 2, marks=pytest.mark.slow),  # 34 s; text resumes in test_titan_trainer_text
     ],
 )
 def test_resume_gives_the_uninterrupted_rows(worlds, data, name, seq_len, workers, stop):

@@ -236,6 +236,9 @@ def assert_naive_gap(naive: Run, reference: Run) -> None:
     assert len(naive.openers) == len(naive.ids)  # every rank opens the dataset
 
 
+# a third Trainer run (about 25 s); by default the loaders resume through DCP in
+# test_titan_dataloader, test_titan_wrap and test_titan_dp_change
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_restart_from_torchtitans_checkpoint_continues_with_the_same_losses_and_samples(data, pipelined):
     resumed = train(

@@ -170,6 +170,9 @@ def wrapped(data) -> Run:
     return train(data, "text-wrapped-pp2-dp2", "text_wrapped", pp=2, flags=("--checkpoint.interval=4",))
 
 
+# two Trainer runs (about 70 s); the default run trains a wrapped loader in the Trainer through
+# docs/torchtitan-loaders.md's command (test_titan_docs_commands) and checks it in test_titan_wrap
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_the_wrapped_text_loader_trains_and_validates_with_the_losses_of_the_unwrapped_one(reference, wrapped):
     assert_trained_like(wrapped, reference, per_step=BATCH)

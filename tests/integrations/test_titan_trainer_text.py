@@ -340,6 +340,10 @@ def pipelined(data) -> Run:
     return train(data, "pp2-dp2", pp=2, flags=("--checkpoint.interval=4",))
 
 
+# two Trainer runs (about 70 s); the default run checks pp=2's losses against pp=1's on rows
+# (test_titan_trainer) and the text loader on every stage (above), and trains on text through
+# docs/torchtitan.md's command
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_pipeline_parallel_trains_on_the_text_with_the_losses_of_pp1(data, reference, pipelined):
     assert sorted(pipelined.losses) == sorted(reference.losses) == list(range(1, STEPS + 1))
