@@ -33,6 +33,7 @@ from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.balanced import BalancedDocuments
 from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.mesh import MeshLayout, Place, mesh_place
+from collective_loader.plan.schedules import stage_style_of
 from collective_loader.plan.split import Split
 
 # nothing is printed unless the application configures logging
@@ -56,4 +57,5 @@ __all__ = [
     "Split",
     "WireError",
     "mesh_place",
+    "stage_style_of",
 ]

@@ -26,12 +26,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.delivery.agreement import control_group, run_phase
 from collective_loader.delivery.config import LoaderConfig, make_config
-from collective_loader.delivery.epoch import Epoch
+from collective_loader.delivery.epoch import Epoch, OutsideEpoch
 from collective_loader.delivery.figures import ShardWorkTally
 from collective_loader.delivery.settings import Settings, build_settings, log_settings
 from collective_loader.delivery.source import Source, build_source
 from collective_loader.delivery.state import share_state
-from collective_loader.errors import LeaderError
+from collective_loader.errors import ConstructionError, LeaderError
 from collective_loader.plan.mesh import MeshLayout, Place
 from collective_loader.plan.routing import Routing
 from collective_loader.types import Batch
@@ -47,11 +47,20 @@ class CollectiveLoader:
         mesh: a ``DeviceMesh`` with named dims, in any order, holding every rank of the world.
         config: a :class:`~collective_loader.LoaderConfig`; or leave it out and give its fields
             as keywords (``inputs=``, ``labels=``, ``every_stage=``, ``seq_dims=``, ``split=``,
-            ``roles=``, ``placement=``, ``delivery=``, ``transport=``, ``prefetch=``,
-            ``timeout=``, ``max_batch_bytes=``; each documented there), not both.
+            ``roles=``, ``placement=``, ``stage_style=``, ``delivery=``, ``transport=``,
+            ``prefetch=``, ``timeout=``, ``max_batch_bytes=``; each documented there), not both.
+        schedule: this rank's ``torch.distributed.pipelining`` schedule, when it exists before
+            the loader: checked against ``stage_style`` (the ranks that compute the loss must be
+            the ones that get ``labels``).
 
     Construction is collective: every rank of the world builds the loader, with the same
-    config. A refused option, or a source that fails to build on a leader, raises on every rank.
+    config. A refused option, a schedule that does not match it, or a source that fails to
+    build on a leader, raises on every rank.
+
+    Which ranks must iterate: every rank that receives keys (:attr:`in_delivery`: the first and
+    the last stage, and middle stages when there are ``every_stage`` keys), leaders included. A
+    middle stage without ``every_stage`` keys is outside delivery: it may iterate (it gets ``{}``
+    per step and stops with everyone) or never touch the loader, as Megatron's middle stages do.
 
     Example (every rank)::
 
@@ -68,6 +77,8 @@ class CollectiveLoader:
         source: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Mapping[str, Any]]],
         mesh: DeviceMesh,
         config: LoaderConfig | None = None,
+        *,
+        schedule: Any = None,
         **options: Any,
     ) -> None:
         if not dist.is_initialized():
@@ -77,15 +88,22 @@ class CollectiveLoader:
         control = control_group(config.timeout if config is not None else options.get("timeout", LoaderConfig.timeout))
         self.settings: Settings = build_settings(lambda: make_config(config, options), mesh, control)
         place = self.settings.place
+        run_phase(  # every rank, schedule given or not: a phase is collective
+            control,
+            lambda: _check_schedule(schedule, place),
+            lambda rank, text: ConstructionError(f"rank {rank} could not build CollectiveLoader: {text}"),
+        )
         self._source: Source | None = run_phase(
             control,
             lambda: build_source(source) if place.is_leader else None,
             lambda rank, text: LeaderError(f"leader rank {rank} could not build its source: {text}"),
         )
         self._shard_work = ShardWorkTally()  # a leader's work over its shard ranks, for stats()
-        self._epoch: Epoch | None = None
+        self._epoch: Epoch | OutsideEpoch | None = None
         self._resume: dict[str, Any] | None = None
         self.epoch = 0  # epochs started
+        self._epochs_made = 0  # passes begun by iter() (with a resume, one more): a bulletin's epoch id
+        self._checkpoints = 0  # state_dict() calls: a bulletin's checkpoint index
         _LIVE.add(self)
         log_settings(self.settings)
 
@@ -135,8 +153,15 @@ class CollectiveLoader:
 
     @property
     def is_last_stage(self) -> bool:
-        """Whether this rank is on the last pipeline stage (it receives the labels)."""
+        """Whether this rank is on the last pipeline stage (it computes the loss and receives the
+        labels): pp rank ``pp - 1``, or pp rank 0 under ``stage_style="v"``."""
         return self.place.is_last_stage
+
+    @property
+    def in_delivery(self) -> bool:
+        """Whether this rank receives keys and must iterate the loader (every rank but a middle
+        stage's when there are no ``every_stage`` keys; see the class docstring)."""
+        return self.settings.groups.in_delivery
 
     @property
     def source(self) -> Source | None:
@@ -168,19 +193,25 @@ class CollectiveLoader:
         resume, self._resume = self._resume, None
         if resume is not None:
             self.epoch = resume["epoch"]
-        self._epoch = Epoch(self.settings, self._source, resume, self._shard_work)
+        self._epoch = self._new_epoch(resume)
         self.epoch += 1
         if resume is None or not resume["steps"]:
             return self._epoch
         return self._resumed(self._epoch)
 
-    def _resumed(self, epoch: Epoch) -> Iterator[Batch]:
+    def _new_epoch(self, resume: Mapping[str, Any] | None) -> Epoch | OutsideEpoch:
+        self._epochs_made += 1
+        if not self.in_delivery:
+            return OutsideEpoch(self.settings, resume, self._epochs_made)
+        return Epoch(self.settings, self._source, resume, self._shard_work, self._epochs_made)
+
+    def _resumed(self, epoch: Epoch | OutsideEpoch) -> Iterator[Batch]:
         """A resumed epoch; when its checkpoint was taken right after its last batch, the next
         epoch instead of an empty one (every rank sees the same end at the same step)."""
         try:
             first = next(epoch)
         except StopIteration:
-            epoch = self._epoch = Epoch(self.settings, self._source, None, self._shard_work)
+            epoch = self._epoch = self._new_epoch(None)
             self.epoch += 1
             try:
                 first = next(epoch)
@@ -194,8 +225,9 @@ class CollectiveLoader:
     def state_dict(self) -> dict[str, Any]:
         """Where the training loop is: epoch, batches it consumed, and the leader's source state.
 
-        Collective over each replica: call it on every rank at the same step (as a checkpoint
-        does). Every rank of a replica returns the same dict. Batches that were prefetched but
+        Collective over each replica's ranks in delivery: call it on every rank at the same step
+        (as a checkpoint does). Every rank of a replica returns the same dict; a rank outside
+        delivery may call it or not (when it does, it reads the dict its leader posted). Batches that were prefetched but
         not consumed are not counted: after a resume they are delivered again.
 
         The source state is the leader's ``source.state_dict()`` taken right after the last
@@ -217,7 +249,8 @@ class CollectiveLoader:
             "source": source_state,
             "source_elastic": self._source is not None and self._source.elastic,
         }
-        return share_state(self.settings, state)
+        self._checkpoints += 1
+        return share_state(self.settings, state, self._checkpoints)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` at the next ``iter(loader)``; call on every rank.
@@ -240,8 +273,11 @@ class CollectiveLoader:
         """Finish the transfers already under way, stop the background thread, close the source.
 
         Call it on every rank before ``dist.destroy_process_group()``; at interpreter exit it
-        runs by itself.
+        runs by itself. On a rank outside delivery, raises the error its leader failed with, if
+        this rank has not raised it from ``next()`` already: a middle stage that never iterates
+        learns of it here.
         """
+        _LIVE.discard(self)
         if self._epoch is not None:
             self._epoch.close()
         if self._source is not None:
@@ -249,7 +285,17 @@ class CollectiveLoader:
                 warnings.warn("the source is still inside a stalled call; it is left open", stacklevel=2)
             else:
                 self._source.close()
-        _LIVE.discard(self)
+        if not self.in_delivery:
+            self._raise_posted_error()
+
+    def _raise_posted_error(self) -> None:
+        bulletin = self.settings.groups.bulletin
+        assert bulletin is not None, "a rank outside delivery reads a bulletin"
+        posted = None if bulletin.reported else bulletin.error()
+        if posted is not None:
+            bulletin.reported = True
+            kind, text = posted
+            raise kind.error(f"rank {self.place.rank} (outside delivery) learned at close(): {text}")
 
     def stats(self) -> dict[str, float]:
         """Collectives and bytes this rank has sent and received through its delivery groups; on a
@@ -277,4 +323,15 @@ _LIVE: weakref.WeakSet[CollectiveLoader] = weakref.WeakSet()
 def _close_live_loaders() -> None:
     # A thread left inside a gloo collective at interpreter exit aborts the process.
     for loader in list(_LIVE):
-        loader.close()
+        try:
+            loader.close()
+        except Exception as e:  # nobody is left to catch it: say it, and close the others
+            warnings.warn(f"CollectiveLoader.close() at exit: {e}", stacklevel=1)
+
+
+def _check_schedule(schedule: Any, place: Place) -> None:
+    if schedule is None:
+        return
+    from collective_loader.plan.schedules import check_schedule  # imports torch's pipelining only when used
+
+    check_schedule(schedule, place)

@@ -109,17 +109,23 @@ def digest(text: str) -> torch.Tensor:
 def first_difference(groups: Groups, reference: int, text: str) -> tuple[int, str, str] | None:
     """Whether every rank has the same ``text``; every member of ``groups`` calls it.
 
-    Checked hierarchically by digest: each replica's leader sends its digest to its replica,
-    the ``reference`` leader sends its digest to the other leaders, and one agreement over the
-    control group says whether anyone differed. The bytes per rank do not grow with the world and
+    Checked hierarchically by digest: each replica's leader sends its digest to its replica
+    (its ranks in delivery; it posts it on the bulletin for the others), the ``reference`` leader
+    sends its digest to the other leaders, and one agreement over the control group says whether
+    anyone differed. The bytes per rank do not grow with the world and
     no part of a text is cut off. Only on a mismatch do texts travel: returns ``(lowest
     differing rank, reference's text, that rank's text)``, or ``None`` when all are the same.
     """
     mine = digest(text)
-    leaders = groups.replica.leader
-    theirs = mine.clone()
-    dist.broadcast(theirs, src=leaders, group=groups.replica.group)
-    differs = not torch.equal(theirs, mine)
+    if groups.replica is None:  # outside delivery
+        assert groups.bulletin is not None
+        differs = groups.bulletin.read_config() != mine.numpy().tobytes().hex()
+    else:
+        theirs = mine.clone()
+        dist.broadcast(theirs, src=groups.replica.leader, group=groups.replica.group)
+        differs = not torch.equal(theirs, mine)
+        if groups.bulletin is not None and groups.replica.leader == dist.get_rank():
+            groups.bulletin.post_config(mine.numpy().tobytes().hex())
     if groups.leaders is not None:  # this rank leads a replica, and there are several
         theirs = mine.clone()
         dist.broadcast(theirs, src=reference, group=groups.leaders)

@@ -18,7 +18,7 @@ from typing import Any, Literal, cast
 from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.delivery.transport import Transport
-from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement
+from collective_loader.plan.mesh import DEFAULT_PLACEMENT, STAGE_STYLES, MeshLayout, Placement, StageStyle
 from collective_loader.plan.routing import Routing, str_keys
 from collective_loader.plan.sharding import SplitName
 from collective_loader.plan.split import Split, as_split
@@ -71,8 +71,18 @@ class LoaderConfig:
     (:data:`collective_loader.plan.mesh.DEFAULT_ROLES`)."""
 
     placement: Placement = DEFAULT_PLACEMENT
-    """Where each replica's leader sits: ``"spread"`` over the pipeline stages (so the loading
-    spreads over their nodes) or ``"first_stage"``. Give a ``StreamingSource`` the same."""
+    """Where each replica's leader sits: ``"spread"`` over the first and the last pipeline stage
+    (so the loading spreads over their nodes) or ``"first_stage"``. Give a ``StreamingSource``
+    the same."""
+
+    stage_style: StageStyle = "loop"
+    """Which pp ranks hold the first stage (it gets ``inputs``) and the last (it computes the loss
+    and gets ``labels``), as the pipeline schedule places its stages: ``"loop"`` (stage ``i`` on pp
+    rank ``i % pp``: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble; the last
+    stage on pp rank ``pp - 1``) or ``"v"`` (pp rank ``r`` holds stages ``r`` and
+    ``2 pp - 1 - r``: ZBVZeroBubble, DualPipeV; both on pp rank 0). Give the loader the schedule
+    (``schedule=``) and it checks this against it; :func:`~collective_loader.stage_style_of`
+    reads it from one."""
 
     delivery: Delivery = "broadcast"
     """``"broadcast"`` (one collective; receivers slice their shard) or ``"scatter"`` (each rank
@@ -105,6 +115,8 @@ class LoaderConfig:
         object.__setattr__(self, "split", as_split(self.split))
         if self.delivery not in ("broadcast", "scatter"):
             raise ValueError(f"delivery must be 'broadcast' or 'scatter', got {self.delivery!r}")
+        if self.stage_style not in STAGE_STYLES:
+            raise ValueError(f"stage_style must be one of {STAGE_STYLES}, got {self.stage_style!r}")
         if self.transport not in ("host", "device"):
             raise ValueError(f"transport must be 'host' or 'device', got {self.transport!r}")
         if self.prefetch is not None and (isinstance(self.prefetch, bool) or int(self.prefetch) < 1):
@@ -121,7 +133,7 @@ class LoaderConfig:
 
         Raises ``ValueError`` when the mesh does not hold exactly the ``world_size`` ranks.
         """
-        layout = MeshLayout.from_mesh(mesh, self.roles, self.placement)
+        layout = MeshLayout.from_mesh(mesh, self.roles, self.placement, self.stage_style)
         if sorted(layout.ranks) != list(range(world_size)):
             raise ValueError(
                 f"the mesh must hold every rank of the world (size {world_size}); it holds {sorted(layout.ranks)}"
@@ -144,6 +156,7 @@ class LoaderConfig:
         ranks = hashlib.sha256(str(list(layout.ranks)).encode()).hexdigest()[:16]
         return (
             f"mesh=[{layout.describe()}] ranks_sha256={ranks} placement={layout.placement} "
+            f"stage_style={layout.stage_style} "
             f"inputs={list(self.inputs)} labels={list(self.labels)} every_stage={list(self.every_stage)} "
             f"seq_dims={dict(sorted(self.seq_dims.items()))} split={self.split} delivery={self.delivery} "
             f"transport={self.transport} prefetch={self.prefetch} timeout={self.timeout} "

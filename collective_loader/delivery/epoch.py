@@ -5,6 +5,8 @@ An :class:`Epoch` runs the delivery protocol (:mod:`~collective_loader.delivery.
 :class:`~collective_loader.delivery.prefetch.Prefetcher` thread, ahead of the training loop by
 at most ``settings.prefetch`` steps, and hands one batch per ``next()`` to the loop. Leaders
 also watch their source for stalls (:class:`~collective_loader.delivery.watchdog.StallWatch`).
+A rank outside delivery iterates an :class:`OutsideEpoch` instead: it reads its leader's
+bulletin (:mod:`~collective_loader.delivery.bulletin`) and yields ``{}`` per step.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Epoch(Iterator[Batch]):
         source: Source | None,
         resume: Mapping[str, Any] | None,
         shard_work: ShardWorkTally,
+        epoch_id: int,
     ) -> None:
         self.settings = settings
         self.source = source
@@ -72,7 +75,7 @@ class Epoch(Iterator[Batch]):
                 f"{name}-watch",
             )
             assert source is not None, "a leader has a source"
-            leader = protocol.LeaderStep(settings, stream, self._load, source.state_dict, watch, shard_work)
+            leader = protocol.LeaderStep(settings, stream, self._load, source.state_dict, watch, shard_work, epoch_id)
             self._watch, self._step = watch, leader
         else:
             self._step = protocol.MemberStep(settings, stream)
@@ -191,3 +194,39 @@ class Epoch(Iterator[Batch]):
                 self.source.resume(self._resume["source"], self._resume["steps"])
             self._source_iter = iter(self.source)
         return next(self._source_iter)
+
+
+class OutsideEpoch(Iterator[Batch]):
+    """One pass, on a rank outside delivery (a middle stage without ``every_stage`` keys): ``{}``
+    per step its leader delivered, ``StopIteration`` where the epoch ends, the leader's error
+    where it fails, read from the replica's bulletin on the training thread (no thread, no
+    collective: a loop that never calls ``next()`` costs nothing)."""
+
+    def __init__(self, settings: Settings, resume: Mapping[str, Any] | None, epoch_id: int) -> None:
+        assert settings.groups.bulletin is not None, "a rank outside delivery reads a bulletin"
+        self._bulletin = settings.groups.bulletin
+        self._epoch_id = epoch_id
+        self._step = 0  # protocol steps of this pass (a resumed pass counts from 0 too)
+        self.steps = resume["steps"] if resume is not None else 0
+        self.source_state = None
+        self._finished = False
+
+    def __next__(self) -> Batch:
+        if self._finished:
+            raise StopIteration
+        kind, text = self._bulletin.wait_step(self._epoch_id, self._step)
+        if kind != Kind.DATA:
+            self._finished = True
+            if kind == Kind.END:
+                raise StopIteration
+            self._bulletin.reported = True
+            raise kind.error(text)
+        self._step += 1
+        self.steps += 1
+        return {}
+
+    def close(self) -> None:
+        self._finished = True
+
+    def in_source(self) -> bool:
+        return False

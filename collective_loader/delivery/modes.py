@@ -144,7 +144,8 @@ class Mode(ABC):
 
     def _stage(self, batch: Mapping[str, Any]) -> Batch:
         """The keys of ``batch`` this channel's stage gets."""
-        return self.settings.routing.select(batch, "both" if self.place.pp_size == 1 else self.channel.name)
+        name = self.channel.name
+        return self.settings.routing.select(batch, "both" if name == "first" and self.place.first_is_last else name)
 
 
 class _Broadcast(Mode):

@@ -42,7 +42,7 @@ from collective_loader.delivery.modes import Item, Mode, Packed, delivery_error,
 from collective_loader.delivery.settings import Settings
 from collective_loader.delivery.transport import Channel
 from collective_loader.delivery.watchdog import StallWatch
-from collective_loader.errors import BatchError, DeliveryError, LeaderError, WireError
+from collective_loader.errors import BatchError, DeliveryError, WireError
 from collective_loader.plan import wire
 from collective_loader.plan.wire import Kind
 
@@ -65,7 +65,9 @@ class _Step:
 class LeaderStep(_Step):
     """A replica's leader. ``load(step)`` returns the next batch (``StopIteration`` at the end),
     ``source_state()`` the source's state after it (or ``None``); ``watch`` marks each load;
-    ``shard_work`` counts the work over the shard ranks (under a split that reports it)."""
+    ``shard_work`` counts the work over the shard ranks (under a split that reports it);
+    ``epoch_id`` numbers the loader's epochs (its bulletin's entries, when its replica has ranks
+    outside delivery)."""
 
     def __init__(
         self,
@@ -75,15 +77,16 @@ class LeaderStep(_Step):
         source_state: Callable[[], Any],
         watch: StallWatch,
         shard_work: ShardWorkTally,
+        epoch_id: int,
     ) -> None:
         super().__init__(settings)
         self._load, self._source_state, self.watch = load, source_state, watch
         self.shard_work = shard_work
-        # how each channel that carries data moves a step (channels without data get headers only)
+        self.epoch_id = epoch_id
+        self._bulletin = settings.groups.bulletin
+        # how each channel moves a step
         self._modes: dict[str, Mode] = {
-            name: mode_for(settings, channel, stream)
-            for name, channel in settings.groups.channels.items()
-            if channel.carries_data
+            name: mode_for(settings, channel, stream) for name, channel in settings.groups.channels.items()
         }
 
     def step(self, step: int) -> Item:
@@ -173,10 +176,7 @@ class LeaderStep(_Step):
             sent: list[str] = []
             for name, channel in groups.channels.items():
                 try:
-                    if name in self._modes:
-                        self._modes[name].send(packed[name])
-                    else:
-                        channel.send_encoded(Kind.DATA, step)
+                    self._modes[name].send(packed[name])
                 except RuntimeError as e:
                     text = self._failure(
                         f"could not deliver step {step} to the {name} stage (ranks {list(channel.ranks)})", e
@@ -185,8 +185,12 @@ class LeaderStep(_Step):
                     self._warn_replica(step, text, sent, failed=name)
                     raise DeliveryError(text) from e
                 sent.append(name)
+            if self._bulletin is not None:
+                self._bulletin.post_step(self.epoch_id)
             return self._data_item(step, packed, state)
         if kind == Kind.END:
+            if self._bulletin is not None:  # first: a rank in delivery may stop its loop at once
+                self._bulletin.post_last(self.epoch_id, Kind.END, step)
             for channel in groups.channels.values():
                 channel.send_encoded(Kind.END, step)
             return Item(Kind.END, step)
@@ -197,9 +201,11 @@ class LeaderStep(_Step):
             if kind == Kind.DELIVERY_ERROR
             else f"leader rank {origin} (dp_rank {dp}) failed at step {step}: {message}"
         )
+        if self._bulletin is not None:
+            self._bulletin.post_last(self.epoch_id, kind, step, text)
         for channel in groups.channels.values():
             channel.send_encoded(kind, step, wire.encode({"message": text}))
-        error = error_of(kind, text)
+        error = kind.error(text)
         if origin == place.rank and cause is not None:
             error.__cause__ = cause
         return Item(kind, step, error=error)
@@ -229,6 +235,9 @@ class LeaderStep(_Step):
         """Best effort: tell this replica's channels whose state is sound (not ``failed``) about a
         delivery failure, as the message of ``step`` (of the next step where it was already sent)."""
         sent = set(sent)
+        if self._bulletin is not None:  # it posts a step after every channel has it
+            with contextlib.suppress(RuntimeError):
+                self._bulletin.post_last(self.epoch_id, Kind.DELIVERY_ERROR, step, text)
         for name, channel in self.settings.groups.channels.items():
             if name != failed:
                 with contextlib.suppress(RuntimeError):
@@ -241,7 +250,7 @@ class MemberStep(_Step):
     def __init__(self, settings: Settings, stream: Any) -> None:
         super().__init__(settings)
         self._channel = next(iter(settings.groups.channels.values()))
-        self._mode = mode_for(settings, self._channel, stream) if self._channel.carries_data else None
+        self._mode = mode_for(settings, self._channel, stream)
 
     def step(self, step: int) -> Item:
         settings = self.settings
@@ -256,13 +265,11 @@ class MemberStep(_Step):
         if header.kind == Kind.END:
             return Item(Kind.END, step)
         if header.kind == Kind.DATA:
-            if self._mode is None:  # a middle stage that gets no data
-                return Item(Kind.DATA, step)
             return self._mode.receive(step, header, payload)
         text = wire.decode(payload, header.meta_nbytes).batch(payload).get("message")
         if not isinstance(text, str):
             raise WireError("error message from the leader does not decode")
-        return Item(header.kind, step, error=error_of(header.kind, text))
+        return Item(header.kind, step, error=header.kind.error(text))
 
 
 # --- the training thread's part ---------------------------------------------------------------
@@ -331,11 +338,6 @@ def failed(error: BaseException) -> Item:
     else:
         kind = Kind.SOURCE_ERROR
     return Item(kind, -1, error=error)
-
-
-def error_of(kind: Kind, text: str) -> BaseException:
-    """The exception a failure of ``kind`` raises on every rank."""
-    return {Kind.BATCH_ERROR: BatchError, Kind.DELIVERY_ERROR: DeliveryError}.get(kind, LeaderError)(text)
 
 
 def _transfer_error(settings: Settings, step: int, channel: Channel, error: BaseException) -> DeliveryError:

@@ -10,21 +10,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from collective_loader.delivery.protocol import error_of
 from collective_loader.delivery.settings import Settings
 from collective_loader.errors import BatchError
 from collective_loader.plan import wire
 from collective_loader.plan.wire import Kind
 
 
-def share_state(settings: Settings, state: Mapping[str, Any]) -> dict[str, Any]:
-    """Every rank of a replica, at the same step: the leader's ``state`` on each of them.
+def share_state(settings: Settings, state: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """Every rank of a replica in delivery, at the same step: the leader's ``state`` on each of them.
 
     ``state`` holds at least ``epoch`` and ``steps``; a rank whose own differ from its leader's
     was called at another step and raises ``RuntimeError`` saying so. A state the wire cannot
     carry raises :class:`~collective_loader.BatchError` on the leader and on every rank of its replica.
+    ``index`` numbers the loader's checkpoints: a leader whose replica has ranks outside delivery
+    posts the state on its bulletin under it, and those ranks read it there (whatever their own
+    steps: they need not iterate).
     """
-    place, channel = settings.place, settings.groups.replica
+    place, channel, bulletin = settings.place, settings.groups.replica, settings.groups.bulletin
+    if channel is None:  # outside delivery
+        assert bulletin is not None
+        return bulletin.read_state(index)
     if place.is_leader:
         try:
             plan = wire.encode(state)
@@ -33,11 +38,13 @@ def share_state(settings: Settings, state: Mapping[str, Any]) -> dict[str, Any]:
             channel.send_encoded(Kind.BATCH_ERROR, state["steps"], wire.encode({"message": text}))
             raise BatchError(text) from e
         channel.send_encoded(Kind.DATA, state["steps"], plan)
+        if bulletin is not None:
+            bulletin.post_state(index, state)
         return dict(state)
     header, payload = channel.recv(settings.config.max_batch_bytes)
     leader_state = wire.decode(payload, header.meta_nbytes).batch(payload)
     if header.kind != Kind.DATA:
-        raise error_of(header.kind, str(leader_state.get("message")))
+        raise header.kind.error(str(leader_state.get("message")))
     if leader_state["steps"] != state["steps"] or leader_state["epoch"] != state["epoch"]:
         raise RuntimeError(
             f"rank {place.rank} asked for the loader state at epoch {state['epoch']} step {state['steps']}, "

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from collective_loader.delivery.buffers import BufferPool
+from collective_loader.delivery.bulletin import Bulletin
 from collective_loader.plan import wire
 from collective_loader.plan.mesh import MeshLayout, Place
 from collective_loader.plan.wire import Header, Kind
@@ -87,8 +88,7 @@ class Channel:
     messages and ``group`` only the header and the batch description. On a ``scattered`` channel
     every message is a scatter of equal-sized per-member messages (receivers must know how to
     receive before they see a header); end and error messages are then the same message for
-    every member. A channel that does not ``carry_data`` (middle stages without ``every_stage``
-    keys) only ever gets headers.
+    every member.
     """
 
     name: str
@@ -97,7 +97,6 @@ class Channel:
     group: dist.ProcessGroup
     scattered: bool = False
     pool: BufferPool | None = None
-    carries_data: bool = True
     data_group: dist.ProcessGroup | None = None
     frame_nbytes: int = wire.HEADER_BYTES
     # members: the host bytes of the previous message (its whole payload, apart tensors included)
@@ -240,13 +239,23 @@ class Channel:
 
 @dataclass
 class Groups:
-    """The groups this rank belongs to; built by :func:`build_groups`."""
+    """The groups this rank belongs to; built by :func:`build_groups`.
+
+    A rank outside delivery (a middle stage without ``every_stage`` keys) has no channel and no
+    ``replica``; it reads its leader's ``bulletin``, which that leader posts on.
+    """
 
     control: dist.ProcessGroup  # gloo, every mesh rank
     leaders: dist.ProcessGroup | None  # gloo, the replicas' leaders (dp > 1, leaders only)
     channels: dict[str, Channel]  # this rank's delivery groups by name (first / last / middle)
-    replica: Channel  # gloo, this rank's whole replica: the leader shares the loader's state
+    replica: Channel | None  # gloo, the replica's ranks in delivery: the leader shares the loader's state
+    bulletin: Bulletin | None  # the replica's ranks outside delivery read it, its leader posts on it
     count: int  # groups created by every rank
+
+    @property
+    def in_delivery(self) -> bool:
+        """Whether this rank is in a delivery group (and must iterate the loader)."""
+        return bool(self.channels)
 
     def traffic(self) -> dict[str, int]:
         """Collectives and bytes this rank has sent and received through its delivery groups."""
@@ -276,7 +285,7 @@ def build_groups(
     tensor bytes also get groups of ``device``'s backend; ``scatter``: the delivery channels that
     carry data scatter; ``buffers_per_channel``: how many host buffers each delivery channel
     keeps for reuse; ``middle_data``: whether middle stages get data (``every_stage`` keys) or
-    only headers.
+    nothing (they are then outside delivery, and their replica's leader posts on a bulletin).
 
     The device groups' communicators are created here, on the constructing thread, by one small
     collective each in creation order (NCCL creates them lazily on their first collective
@@ -294,23 +303,27 @@ def build_groups(
     leaders = make(sorted(leader_ranks), "gloo", "leaders") if len(leader_ranks) > 1 else None
     channels: dict[str, Channel] = {}
     mine: Channel | None = None
+    bulletin: Bulletin | None = None
     warm: list[tuple[dist.ProcessGroup, int]] = []
     for replica in layout.replica_groups():
-        group = make(replica.ranks, "gloo", f"replica{replica.dp_rank}")
+        destinations = [(name, ranks) for name, ranks in replica.all() if name != "middle" or middle_data]
+        delivered = tuple(sorted({rank for _, ranks in destinations for rank in ranks}))
+        outside = replica.middle is not None and not middle_data
+        if outside and place.dp_rank == replica.dp_rank and (place.is_leader or place.rank not in delivered):
+            bulletin = Bulletin.open(control.group_name, replica.dp_rank, timeout)
+        group = make(delivered, "gloo", f"replica{replica.dp_rank}")
         if group is not None:
-            mine = Channel("replica", replica.ranks, replica.leader, group)
-        for name, ranks in replica.all():
-            data = name != "middle" or middle_data
+            mine = Channel("replica", delivered, replica.leader, group)
+        for name, ranks in destinations:
             group = make(ranks, "gloo", f"{name}{replica.dp_rank}")
             data_group = None
-            if transport == "device" and data:
+            if transport == "device":
                 data_group = make(ranks, device_backend(device), f"{name}{replica.dp_rank}_data")
                 if data_group is not None:
                     warm.append((data_group, replica.leader))
             if group is not None:
-                pool = BufferPool(buffers_per_channel, pin=pin) if data else None
-                channels[name] = Channel(name, ranks, replica.leader, group, scatter and data, pool, data, data_group)
+                pool = BufferPool(buffers_per_channel, pin=pin)
+                channels[name] = Channel(name, ranks, replica.leader, group, scatter, pool, data_group)
     for group, leader in warm:
         dist.broadcast(torch.zeros(1, device=device), src=leader, group=group)
-    assert mine is not None
-    return Groups(control, leaders, channels, mine, count)
+    return Groups(control, leaders, channels, mine, bulletin, count)

@@ -10,18 +10,26 @@ Vocabulary (see the role table in ``docs/concepts.md``):
 * a *shard* dim gets one slice of every sequence key; several shard dims compose in mesh order
   (the outermost splits first).
 
-The *leader* of a replica is its rank with coordinate 0 on every non-data dim except the
-pipeline dim, where it is ``dp_rank * pp // dp`` (``placement="spread"``, the default): consecutive
-replicas' leaders sit on the same stage and the leaders cover the stages, so the loading spreads
-over the stages' nodes. With ``placement="first_stage"`` the pipeline coordinate is 0 as well: every
-leader on the first stage. The leader is the only rank that loads data. Per replica there are up to three delivery groups, each a sorted tuple of global
-ranks that contains the leader:
+Which pipeline coordinate holds the first stage and which the last (the loss) follows the
+schedule's *stage style* (:data:`StageStyle`): ``"loop"`` (stage ``i`` on pp rank ``i % pp``: GPipe,
+1F1B and the interleaved schedules) puts the first stage on pp rank 0 and the last on pp rank
+``pp - 1``; ``"v"`` (rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``: ZBVZeroBubble, DualPipeV)
+puts both on pp rank 0. Every other pp rank is a *middle* stage.
 
-* ``first``: the leader and every rank of the first pipeline stage (with one stage: the replica);
-* ``last``: the leader and every rank of the last stage, when there are two stages or more;
-* ``middle``: the leader and every rank of the stages in between, when there are three or more.
-  These ranks receive the ``every_stage`` keys when there are any, else only the fixed-size
-  header (step boundaries, end of data, errors).
+The *leader* of a replica is its rank with coordinate 0 on every non-data dim except the
+pipeline dim, where it sits on an *end* stage (the first or the last: the stages that receive
+keys and therefore iterate). With ``placement="spread"`` (the default) the ends are shared out
+in blocks of consecutive dp_ranks (``ends[dp_rank * len(ends) // dp]``), so the loading spreads
+over both ends' nodes; with ``placement="first_stage"`` every leader is on the first stage. The
+leader is the only rank that loads data. Per replica there are up to three groups, each a sorted
+tuple of global ranks that contains the leader:
+
+* ``first``: the leader and every rank of the first pipeline stage (with one stage, or under
+  ``"v"``, the first stage is also the last);
+* ``last``: the leader and every rank of the last stage, when it is another stage than the first;
+* ``middle``: the leader and every rank of the middle stages, when there are any. They receive
+  the ``every_stage`` keys; without any, the middle ranks are outside delivery (see
+  :mod:`collective_loader.delivery.bulletin`).
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ ROLES: tuple[Role, ...] = ("data", "pipeline", "replicate", "shard")
 Placement = Literal["first_stage", "spread"]
 PLACEMENTS: tuple[Placement, ...] = ("first_stage", "spread")
 DEFAULT_PLACEMENT: Placement = "spread"
+# which pp ranks hold the first and the last stage (see the module docstring)
+StageStyle = Literal["loop", "v"]
+STAGE_STYLES: tuple[StageStyle, ...] = ("loop", "v")
 
 DEFAULT_ROLES: dict[str, Role] = {
     "dp": "data",
@@ -82,7 +93,8 @@ class Place:
     """Where one rank sits in the mesh and what it needs.
 
     ``shard`` lists ``(size, index)`` for every shard dim in mesh order (outermost first).
-    ``stage`` is one of ``"first"``, ``"last"``, ``"both"`` (one stage) or ``"middle"``.
+    ``stage`` is one of ``"first"``, ``"last"``, ``"both"`` (one stage, or pp rank 0 under the
+    ``"v"`` stage style) or ``"middle"``.
     """
 
     rank: int
@@ -93,6 +105,7 @@ class Place:
     pp_rank: int
     pp_size: int
     shard: tuple[tuple[int, int], ...]
+    stage_style: StageStyle = "loop"
 
     @property
     def is_leader(self) -> bool:
@@ -104,11 +117,16 @@ class Place:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        return self.pp_rank == last_stage_rank(self.pp_size, self.stage_style)
+
+    @property
+    def first_is_last(self) -> bool:
+        """Whether one pp rank holds both the first and the last stage (one stage, or ``"v"``)."""
+        return last_stage_rank(self.pp_size, self.stage_style) == 0
 
     @property
     def stage(self) -> str:
-        if self.pp_size == 1:
+        if self.is_first_stage and self.is_last_stage:
             return "both"
         if self.is_first_stage:
             return "first"
@@ -134,6 +152,9 @@ class MeshLayout:
         (0, 6)
         >>> layout.replica_groups()[1].first  # ... and sends the first stage its inputs
         (2, 3, 6)
+        >>> v = MeshLayout.build(("pp", "dp", "tp"), (2, 2, 2), range(8), stage_style="v")
+        >>> v.place(0).stage, v.place(4).stage, v.leaders()  # the loss is on pp rank 0 too
+        ('both', 'middle', (0, 2))
     """
 
     dim_names: tuple[str, ...]
@@ -141,6 +162,7 @@ class MeshLayout:
     roles: tuple[Role, ...]
     ranks: tuple[int, ...]
     placement: Placement = DEFAULT_PLACEMENT
+    stage_style: StageStyle = "loop"
 
     @classmethod
     def build(
@@ -150,14 +172,18 @@ class MeshLayout:
         ranks: Sequence[int],
         roles: Mapping[str, str] | None = None,
         placement: str = DEFAULT_PLACEMENT,
+        stage_style: str = "loop",
     ) -> MeshLayout:
         """Check the mesh description and assign a role to every dim.
 
         ``roles`` overrides the defaults of :data:`DEFAULT_ROLES` for any dim name;
-        ``placement`` says where the leaders sit (:data:`Placement`).
+        ``placement`` says where the leaders sit (:data:`Placement`), ``stage_style`` which pp
+        ranks hold the first and the last stage (:data:`StageStyle`).
         """
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if stage_style not in STAGE_STYLES:
+            raise ValueError(f"stage_style must be one of {STAGE_STYLES}, got {stage_style!r}")
         dim_names = tuple(dim_names)
         shape = tuple(int(s) for s in shape)
         ranks = tuple(int(r) for r in ranks)
@@ -188,16 +214,21 @@ class MeshLayout:
         if resolved.count("pipeline") > 1:
             pipes = [n for n, r in zip(dim_names, resolved) if r == "pipeline"]
             raise ValueError(f"at most one pipeline dim is supported, got {pipes}")
-        return cls(dim_names, shape, tuple(resolved), ranks, placement)  # type: ignore[arg-type]
+        return cls(dim_names, shape, tuple(resolved), ranks, placement, stage_style)  # type: ignore[arg-type]
 
     @classmethod
     def from_mesh(
-        cls, mesh: DeviceMesh, roles: Mapping[str, str] | None = None, placement: str = DEFAULT_PLACEMENT
+        cls,
+        mesh: DeviceMesh,
+        roles: Mapping[str, str] | None = None,
+        placement: str = DEFAULT_PLACEMENT,
+        stage_style: str = "loop",
     ) -> MeshLayout:
         """The layout of a ``torch.distributed.device_mesh.DeviceMesh`` (needs named dims)."""
         if mesh.mesh_dim_names is None:
             raise ValueError("the DeviceMesh needs named dims (mesh_dim_names=...)")
-        return cls.build(mesh.mesh_dim_names, tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist(), roles, placement)
+        shape, ranks = tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist()
+        return cls.build(mesh.mesh_dim_names, shape, ranks, roles, placement, stage_style)
 
     # --- coordinates -------------------------------------------------------------------------
 
@@ -246,7 +277,8 @@ class MeshLayout:
         pipe = self._dims("pipeline")
         at = [c if r == "data" else 0 for c, r in zip(coords, self.roles)]
         if self.placement == "spread" and pipe:
-            at[pipe[0]] = self._dp_rank(coords) * self.pp_size // self.dp_size
+            ends = sorted({0, last_stage_rank(self.pp_size, self.stage_style)})
+            at[pipe[0]] = ends[self._dp_rank(coords) * len(ends) // self.dp_size]
         leader = self.rank_at(at)
         return Place(
             rank=rank,
@@ -257,6 +289,7 @@ class MeshLayout:
             pp_rank=coords[pipe[0]] if pipe else 0,
             pp_size=self.pp_size,
             shard=tuple((self.shape[i], coords[i]) for i in self._dims("shard")),
+            stage_style=self.stage_style,
         )
 
     # --- groups ------------------------------------------------------------------------------
@@ -274,15 +307,14 @@ class MeshLayout:
             key = "first" if place.stage in ("first", "both") else place.stage
             buckets.setdefault(place.dp_rank, {"first": set(), "last": set(), "middle": set()})[key].add(rank)
             leaders[place.dp_rank] = place.leader
-        pp = self.pp_size
         return [
             ReplicaGroups(
                 dp_rank=dp,
                 leader=leaders[dp],
                 ranks=tuple(sorted(members["first"] | members["last"] | members["middle"])),
                 first=tuple(sorted(members["first"] | {leaders[dp]})),
-                last=tuple(sorted(members["last"] | {leaders[dp]})) if pp > 1 else None,
-                middle=tuple(sorted(members["middle"] | {leaders[dp]})) if pp > 2 else None,
+                last=tuple(sorted(members["last"] | {leaders[dp]})) if members["last"] else None,
+                middle=tuple(sorted(members["middle"] | {leaders[dp]})) if members["middle"] else None,
             )
             for dp, members in sorted(buckets.items())
         ]
@@ -300,27 +332,47 @@ class MeshLayout:
         return " ".join(f"{n}={s}({r})" for n, s, r in zip(self.dim_names, self.shape, self.roles))
 
 
-def group_count(dp: int, pp: int, transport: str = "host", middle_data: bool = False) -> int:
+def last_stage_rank(pp_size: int, stage_style: StageStyle) -> int:
+    """The pp rank that holds the last stage (computes the loss) under ``stage_style``.
+
+    >>> last_stage_rank(4, "loop"), last_stage_rank(4, "v")
+    (3, 0)
+    """
+    return 0 if stage_style == "v" else pp_size - 1
+
+
+def group_count(
+    dp: int, pp: int, transport: str = "host", middle_data: bool = False, stage_style: StageStyle = "loop"
+) -> int:
     """Process groups one loader creates on a mesh with ``dp`` replicas and ``pp`` stages.
 
     One control group over the whole mesh, one group of the leaders when ``dp > 1``, and per
-    replica one group of the whole replica (state at checkpoint time) and one per destination
-    (first stage, last stage, middle stages), all gloo. The ``"device"`` transport adds, per
-    replica, a group of the mesh device's backend for each destination that gets tensors (middle
-    stages only with ``middle_data``, i.e. ``every_stage`` keys).
+    replica one group of the ranks in delivery (state at checkpoint time) and one per
+    destination, all gloo: the first stage, the last stage when it is another (``"loop"``, pp > 1),
+    the middle stages when they get ``every_stage`` keys (``middle_data``); middle stages without
+    them are outside delivery and in none. The ``"device"`` transport adds, per replica, a group
+    of the mesh device's backend for each destination.
 
     >>> group_count(dp=128, pp=16)
-    514
+    386
     >>> group_count(dp=128, pp=16, transport="device")
-    770
+    642
+    >>> group_count(dp=128, pp=16, stage_style="v")
+    258
     """
-    destinations = 1 + (pp > 1) + (pp > 2)
-    data_groups = (1 + (pp > 1) + (pp > 2 and middle_data)) if transport == "device" else 0
+    separate_last = pp > 1 and stage_style == "loop"
+    has_middle = pp > (2 if stage_style == "loop" else 1)
+    destinations = 1 + separate_last + (has_middle and middle_data)
+    data_groups = destinations if transport == "device" else 0
     return 1 + (dp > 1) + dp * (1 + destinations + data_groups)
 
 
 def mesh_place(
-    mesh: DeviceMesh, rank: int, roles: Mapping[str, str] | None = None, placement: str = DEFAULT_PLACEMENT
+    mesh: DeviceMesh,
+    rank: int,
+    roles: Mapping[str, str] | None = None,
+    placement: str = DEFAULT_PLACEMENT,
+    stage_style: str = "loop",
 ) -> Place:
     """Where ``rank`` sits in ``mesh``: its dp_rank, dp_size, leader and stage.
 
@@ -328,4 +380,4 @@ def mesh_place(
     ``place = mesh_place(mesh, dist.get_rank())`` then ``DistributedSampler(ds, place.dp_size,
     place.dp_rank)``.
     """
-    return MeshLayout.from_mesh(mesh, roles, placement).place(rank)
+    return MeshLayout.from_mesh(mesh, roles, placement, stage_style).place(rank)

@@ -48,7 +48,7 @@ from typing import Any, cast
 
 import torch
 
-from collective_loader.errors import BatchError, WireError
+from collective_loader.errors import BatchError, CollectiveLoaderError, DeliveryError, LeaderError, WireError
 
 MAGIC = 0x434C4C44  # "CLLD"
 VERSION = 3
@@ -101,6 +101,14 @@ class Kind(enum.IntEnum):
     @property
     def is_error(self) -> bool:
         return self not in (Kind.DATA, Kind.END)
+
+    def error(self, text: str) -> CollectiveLoaderError:
+        """The exception a failure of this kind raises on every rank.
+
+        >>> Kind.BATCH_ERROR.error("bad key")
+        BatchError('bad key')
+        """
+        return {Kind.BATCH_ERROR: BatchError, Kind.DELIVERY_ERROR: DeliveryError}.get(self, LeaderError)(text)
 
 
 _KINDS = frozenset(k.value for k in Kind)

@@ -44,7 +44,7 @@ EXPECTED_DEFAULTS = {
 class Reference:
     """Expected places and groups, computed by brute force over flat indices."""
 
-    def __init__(self, names, shape, ranks, roles, placement="spread"):
+    def __init__(self, names, shape, ranks, roles, placement="spread", stage_style="loop"):
         self.names, self.shape, self.ranks, self.roles = tuple(names), tuple(shape), list(ranks), list(roles)
         self.placement = placement
         self.data = [i for i, r in enumerate(self.roles) if r == "data"]
@@ -52,6 +52,7 @@ class Reference:
         self.shard_dims = [i for i, r in enumerate(self.roles) if r == "shard"]
         self.pp = self.shape[self.pipe[0]] if self.pipe else 1
         self.dp = int(np.prod([self.shape[i] for i in self.data])) if self.data else 1
+        self.last_pp = 0 if stage_style == "v" else self.pp - 1  # where the loss is computed
 
     def coords(self, rank):
         flat = self.ranks.index(rank)
@@ -64,11 +65,12 @@ class Reference:
         return int(np.ravel_multi_index([c[i] for i in self.data], [self.shape[i] for i in self.data]))
 
     def leader_coords(self, rank):
-        """Same data coords, 0 elsewhere; with "spread", pipeline coord dp_rank * pp // dp."""
+        """Same data coords, 0 elsewhere; with "spread", the pipeline coord is the first stage's for
+        the lower half of the dp_ranks and the last stage's for the upper half."""
         c = self.coords(rank)
         lc = [c[i] if self.roles[i] == "data" else 0 for i in range(len(c))]
-        if self.placement == "spread" and self.pipe:
-            lc[self.pipe[0]] = self.dp_rank(rank) * self.pp // self.dp
+        if self.placement == "spread" and self.pipe and self.last_pp != 0:
+            lc[self.pipe[0]] = self.last_pp if 2 * self.dp_rank(rank) >= self.dp else 0
         return lc
 
     def leader(self, rank):
@@ -83,9 +85,9 @@ class Reference:
 
     def stage(self, rank):
         p = self.pp_rank(rank)
-        if self.pp == 1:
+        if p == 0 == self.last_pp:
             return "both"
-        return "first" if p == 0 else "last" if p == self.pp - 1 else "middle"
+        return "first" if p == 0 else "last" if p == self.last_pp else "middle"
 
     def replica(self, dp):
         return [r for r in self.ranks if self.dp_rank(r) == dp]
@@ -94,10 +96,9 @@ class Reference:
         members = self.replica(dp)
         lead = self.leader(members[0])
         first = tuple(sorted({lead} | {r for r in members if self.pp_rank(r) == 0}))
-        last = tuple(sorted({lead} | {r for r in members if self.pp_rank(r) == self.pp - 1})) if self.pp > 1 else None
-        middle = (
-            tuple(sorted({lead} | {r for r in members if 0 < self.pp_rank(r) < self.pp - 1})) if self.pp > 2 else None
-        )
+        last = tuple(sorted({lead} | {r for r in members if self.pp_rank(r) == self.last_pp})) if self.last_pp else None
+        between = {r for r in members if self.pp_rank(r) not in (0, self.last_pp)}
+        middle = tuple(sorted({lead} | between)) if between else None
         return ReplicaGroups(
             dp_rank=dp, leader=lead, ranks=tuple(sorted(members)), first=first, last=last, middle=middle
         )
@@ -119,7 +120,7 @@ def check_layout(layout: MeshLayout, ref: Reference):
         assert place.pp_rank == ref.pp_rank(rank) and place.pp_size == ref.pp
         assert place.stage == ref.stage(rank)
         assert place.is_first_stage == (ref.pp_rank(rank) == 0)
-        assert place.is_last_stage == (ref.pp_rank(rank) == ref.pp - 1)
+        assert place.is_last_stage == (ref.pp_rank(rank) == ref.last_pp)
         assert place.shard == ref.shard(rank)
         assert list(ref.coords(place.leader)) == ref.leader_coords(rank)
 
@@ -128,7 +129,8 @@ def check_layout(layout: MeshLayout, ref: Reference):
     for g in groups:
         assert g == ref.groups(g.dp_rank)
         named = g.all()
-        assert [n for n, _ in named] == ["first", "last", "middle"][: 1 + (ref.pp > 1) + (ref.pp > 2)]
+        has_middle = ref.pp > (2 if ref.last_pp else 1)
+        assert [n for n, _ in named] == ["first"] + ["last"] * (ref.last_pp > 0) + ["middle"] * has_middle
         for _, ranks in named:
             assert list(ranks) == sorted(ranks) and g.leader in ranks
         replica = ref.replica(g.dp_rank)
@@ -139,15 +141,21 @@ def check_layout(layout: MeshLayout, ref: Reference):
         others = {r for o in groups if o.dp_rank != g.dp_rank for _, rs in o.all() for r in rs}
         assert not others & set(replica)
     assert layout.leaders() == tuple(ref.leader(ref.replica(d)[0]) for d in range(ref.dp))
-    n_groups = sum(len(g.all()) + 1 for g in groups) + 1 + (ref.dp > 1)  # + one whole-replica group each
-    assert group_count(ref.dp, ref.pp) == n_groups
+    n_groups = sum(len(g.all()) + 1 for g in groups) + 1 + (ref.dp > 1)  # + one replica group each
+    style = layout.stage_style
+    assert group_count(ref.dp, ref.pp, middle_data=True, stage_style=style) == n_groups
+    # without every_stage keys the middle stages are outside delivery: no middle group
+    n_middle = sum(g.middle is not None for g in groups)
+    assert group_count(ref.dp, ref.pp, stage_style=style) == n_groups - n_middle
 
 
-def build_and_check(names, shape, ranks, roles=None, placement=None):
+def build_and_check(names, shape, ranks, roles=None, placement=None, stage_style="loop"):
     """``placement=None``: the library's default, which the reference takes to be "spread"."""
-    layout = MeshLayout.build(names, shape, ranks, roles, **({"placement": placement} if placement else {}))
+    layout = MeshLayout.build(
+        names, shape, ranks, roles, stage_style=stage_style, **({"placement": placement} if placement else {})
+    )
     resolved = [(roles or {}).get(n, EXPECTED_DEFAULTS.get(n)) for n in names]
-    check_layout(layout, Reference(names, shape, ranks, resolved, placement or "spread"))
+    check_layout(layout, Reference(names, shape, ranks, resolved, placement or "spread", stage_style))
     return layout
 
 
@@ -275,14 +283,15 @@ ORDERS = [
 @pytest.mark.parametrize("names, shape", ORDERS, ids=lambda x: "-".join(map(str, x)))
 @pytest.mark.parametrize("perm", ["identity", "shuffled", "offset"])
 @pytest.mark.parametrize("placement", [None, "first_stage"], ids=["default", "first_stage"])
-def test_mesh_orders(names, shape, perm, placement):
+@pytest.mark.parametrize("stage_style", ["loop", "v"])
+def test_mesh_orders(names, shape, perm, placement, stage_style):
     n = int(np.prod(shape))
     ranks = list(range(n))
     if perm == "shuffled":
         random.Random(n).shuffle(ranks)
     elif perm == "offset":
         ranks = [1000 + 3 * r for r in reversed(ranks)]
-    build_and_check(names, shape, ranks, placement=placement)
+    build_and_check(names, shape, ranks, placement=placement, stage_style=stage_style)
 
 
 NAME_POOL = ["pp", "dp", "dp_shard", "batch", "tp", "cp", "sp", "ep", "x"]
@@ -307,11 +316,11 @@ def meshes(draw):
     return tuple(names), tuple(shape), ranks, roles
 
 
-@given(meshes(), st.sampled_from([None, "first_stage", "spread"]))
+@given(meshes(), st.sampled_from([None, "first_stage", "spread"]), st.sampled_from(["loop", "v"]))
 @PROPS
-def test_random_meshes(mesh, placement):
+def test_random_meshes(mesh, placement, stage_style):
     names, shape, ranks, roles = mesh
-    build_and_check(names, shape, ranks, roles, placement)
+    build_and_check(names, shape, ranks, roles, placement, stage_style)
 
 
 def test_all_role_assignments_small_mesh():
@@ -322,6 +331,26 @@ def test_all_role_assignments_small_mesh():
         if roles.count("pipeline") > 1:
             continue
         build_and_check(names, shape, ranks, dict(zip(names, roles)), placement)
+        build_and_check(names, shape, ranks, dict(zip(names, roles)), placement, "v")
+
+
+def test_v_stages_put_the_loss_on_pp_rank_0():
+    """ZBVZeroBubble / DualPipeV: pp rank r holds stages r and 2 pp - 1 - r, so pp rank 0 gets the
+    inputs and the labels, every other pp rank is a middle stage, and every leader is on pp rank 0."""
+    layout = MeshLayout.build(("pp", "dp", "tp"), (4, 2, 2), range(16), stage_style="v")
+    assert [layout.place(r).stage for r in (0, 3, 4, 15)] == ["both", "both", "middle", "middle"]
+    assert layout.place(0).is_last_stage and not layout.place(12).is_last_stage
+    assert layout.leaders() == (0, 2)
+    g = layout.replica_groups()[1]
+    assert (g.first, g.last, g.middle) == ((2, 3), None, (2, 6, 7, 10, 11, 14, 15))
+    assert group_count(2, 4, stage_style="v") == 1 + 1 + 2 * 2  # control, leaders; replica and first each
+
+
+def test_spread_leaders_sit_on_the_end_stages():
+    """A middle stage may never iterate (Megatron's), so no leader sits there: "spread" shares
+    the replicas out over the first and the last stage."""
+    layout = MeshLayout.build(("pp", "dp"), (4, 4), range(16))
+    assert [layout.place(r).pp_rank for r in layout.leaders()] == [0, 0, 3, 3]
 
 
 # --- group counts -----------------------------------------------------------------------------
@@ -329,7 +358,7 @@ def test_all_role_assignments_small_mesh():
 
 @pytest.mark.parametrize(
     "dp, pp, expected",
-    [(1, 1, 3), (2, 1, 6), (1, 2, 4), (1, 3, 5), (4, 2, 14), (3, 5, 14), (128, 16, 514)],
+    [(1, 1, 3), (2, 1, 6), (1, 2, 4), (1, 3, 4), (4, 2, 14), (3, 5, 11), (128, 16, 386)],
 )
 def test_group_count_values(dp, pp, expected):
     assert group_count(dp, pp) == expected
@@ -341,18 +370,21 @@ def test_16k_gpu_mesh_groups():
     layout = MeshLayout.build(names, shape, range(n))
     groups = layout.replica_groups()
     assert len(groups) == 128
-    # delivery groups + one whole-replica group each + control + leaders
-    assert sum(len(g.all()) + 1 for g in groups) + 2 == group_count(128, 16) == 514
+    # delivery groups (no middle one: without every_stage keys the middle stages are outside
+    # delivery) + one replica group each + control + leaders
+    assert sum(len(g.all()) for g in groups) + 2 == group_count(128, 16) == 386
+    assert group_count(128, 16, middle_data=True) == 514
     assert all(len(g.ranks) == 16 * 2 * 4 for g in groups)
-    # replica d: ranks (p*128 + d)*8 + j; its leader (placement "spread") is on stage d // 8
+    # replica d: ranks (p*128 + d)*8 + j; its leader (placement "spread") is on the first stage
+    # for d < 64, on the last for the others
     for d in (0, 77, 127):
         g = groups[d]
-        lead = (d // 8 * 128 + d) * 8
+        lead = ((15 if d >= 64 else 0) * 128 + d) * 8
         assert g.leader == lead
         assert g.first == tuple(sorted({lead} | {d * 8 + j for j in range(8)}))
         assert g.last == tuple(sorted({lead} | {(15 * 128 + d) * 8 + j for j in range(8)}))
         assert g.middle == tuple(sorted({lead} | {(p * 128 + d) * 8 + j for p in range(1, 15) for j in range(8)}))
-    assert layout.leaders() == tuple((d // 8 * 128 + d) * 8 for d in range(128))
+    assert layout.leaders() == tuple(((15 if d >= 64 else 0) * 128 + d) * 8 for d in range(128))
 
 
 def test_the_configuration_digest_sees_the_last_field_on_a_16k_rank_layout():
