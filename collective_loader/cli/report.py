@@ -24,7 +24,7 @@ def _describe(batch: dict[str, Any]) -> str:
 
 def samples_per_replica(records: list[invariants.RankRecord]) -> dict[int, int]:
     """Samples each replica trained on, counted on its lowest first-stage rank: the ranks that
-    hold sample ids (a leader may sit on a middle stage, whose batches are empty)."""
+    hold sample ids (a leader may sit on the last stage, which gets labels only)."""
     counted: dict[int, int] = {}
     for rec in sorted(records, key=lambda r: r.rank):
         if rec.stage in ("first", "both") and rec.dp_rank not in counted:

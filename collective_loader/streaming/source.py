@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
 from collective_loader.delivery.leaders import LeaderGroup
-from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement
+from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement, StageStyle
 from collective_loader.streaming.balancing import BalancedRows
 from collective_loader.streaming.cleanup import remove_stale
 from collective_loader.streaming.leaders import leader_env, leaders_barrier, leaders_world
@@ -77,6 +77,9 @@ class StreamingSource:
         roles: dim roles, as for ``CollectiveLoader``.
         placement: where the leaders sit, as for ``CollectiveLoader`` (``"spread"`` by default;
             give both the same).
+        stage_style: which pp ranks hold the first and the last stage, as for
+            ``CollectiveLoader`` (``"loop"`` by default; ``"v"`` puts every leader on pp rank 0;
+            give both the same).
         clean_stale: first remove the shared memory and lock files killed runs left on this
             node (:func:`remove_stale`); blocks that a live process maps are kept.
         timeout: seconds the leaders wait for each other while building.
@@ -98,6 +101,7 @@ class StreamingSource:
         num_workers: int = 0,
         roles: Mapping[str, str] | None = None,
         placement: Placement = DEFAULT_PLACEMENT,
+        stage_style: StageStyle = "loop",
         clean_stale: bool = False,
         timeout: float = 600.0,
         dataloader_kwargs: Mapping[str, Any] | None = None,
@@ -107,7 +111,7 @@ class StreamingSource:
             raise ValueError("give batch_size once, to StreamingSource; replication is what this class replaces")
         layout = TokenColumn() if layout is None else layout
         _check_text_options(layout, packing, collate, documents_per_batch)
-        mesh_layout = MeshLayout.from_mesh(mesh, roles, placement)
+        mesh_layout = MeshLayout.from_mesh(mesh, roles, placement, stage_style)
         self.place = mesh_layout.place(dist.get_rank())
         leaders = mesh_layout.leaders()
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))

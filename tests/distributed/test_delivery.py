@@ -70,7 +70,8 @@ def _run(worlds, transport, dims, shape, layout, delivery, **kw):
         every_stage=kw.get("every_stage", ()),
     )
     mesh = MeshLayout.build(dims, shape, range(math.prod(shape)), kw.get("roles"))
-    want = group_count(mesh.dp_size, mesh.pp_size, transport, middle_data=bool(kw.get("every_stage")))
+    middle_data, style = bool(kw.get("every_stage")), kw.get("stage_style", "loop")
+    want = group_count(mesh.dp_size, mesh.pp_size, transport, middle_data=middle_data, stage_style=style)
     assert {r["group_count"] for r in records} == {want}
     return records
 
@@ -120,6 +121,18 @@ def test_every_stage_keys_reach_middle_stages_12(worlds, transport, delivery):
     middle = [r for r in records if r["stage"] == "middle"]
     assert len(middle) == 4
     assert all(set(b) == {"cu_seqlens"} for r in middle for b in r["epochs"][0])
+
+
+@pytest.mark.parametrize("every_stage", [(), ("cu_seqlens",)], ids=["plain", "packed"])
+@pytest.mark.parametrize("dims,shape", [(("pp", "dp", "tp"), (2, 2, 2)), (("pp", "cp"), (4, 2))], ids=["pp2", "pp4"])
+def test_v_stage_style(worlds, transport, dims, shape, every_stage):
+    """ZBVZeroBubble / DualPipeV: pp rank 0 holds the first stage and the loss, so it gets the
+    inputs and the labels of the same samples; the other pp ranks are middle stages (in delivery
+    only with every_stage keys, else reading their leader's bulletin), and every rank sees the
+    same steps."""
+    records = _run(worlds, transport, dims, shape, "zigzag", "broadcast", stage_style="v", every_stage=every_stage)
+    assert {r["stage"] for r in records} == {"both", "middle"}
+    assert all(r["is_leader"] <= (r["stage"] == "both") for r in records)
 
 
 FIRST_STAGE = [

@@ -18,7 +18,7 @@ from collective_loader import (
 )
 
 MESH = (("pp", "dp", "cp"), (3, 2, 2))  # 12 ranks: middle stages, shard dim, two replicas
-SECOND_LEADER = 6  # replica 1's leader: stage 1 * 3 // 2 = 1 (the default placement), coords (1, 1, 0)
+SECOND_LEADER = 10  # replica 1's leader: the last stage (the default placement), coords (2, 1, 0)
 
 
 def _loader(source, **kw):

@@ -38,14 +38,21 @@ def world():
     w.close()
 
 
-def _source(dp_rank: int, fail_at: int | None = None):
-    def batches():
-        for step, batch in enumerate(ranks.id_batches(dp_rank, 2, 20, 2, 8)):
-            if step == fail_at:
+class _Batches:
+    """Replica ``dp_rank``'s batches, anew at every ``iter()`` (like a DataLoader)."""
+
+    def __init__(self, dp_rank: int, fail_at: int | None) -> None:
+        self.dp_rank, self.fail_at = dp_rank, fail_at
+
+    def __iter__(self):
+        for step, batch in enumerate(ranks.id_batches(self.dp_rank, 2, 20, 2, 8)):
+            if step == self.fail_at:
                 raise OSError("disk on fire")
             yield batch
 
-    return batches
+
+def _source(dp_rank: int, fail_at: int | None = None):
+    return lambda: _Batches(dp_rank, fail_at)
 
 
 def megatron_loop(fail_at: int | None = None, fail_dp: int = 1) -> dict:
@@ -130,8 +137,8 @@ def v_style(iterate_middle: bool) -> dict:
         got = [sorted(batch) for batch in loader]
     labels_match = None
     if loader.in_delivery:
-        loader_again = [b for b in loader]  # a second epoch: inputs and labels of one sample
-        labels_match = all(torch.equal(b["labels"], b["input_ids"] + 1) for b in loader_again)
+        again = [b for b in loader]  # a second epoch: inputs and labels of one sample
+        labels_match = len(again) == STEPS and all(torch.equal(b["labels"], b["input_ids"] + 1) for b in again)
     elif iterate_middle:
         got += [sorted(batch) for batch in loader]
     loader.close()

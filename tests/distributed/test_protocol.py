@@ -70,7 +70,7 @@ def by_hand(transport: str, delivery: str) -> dict:
     if place.is_leader:
         it = iter(batches)
         watch = StallWatch(60.0, lambda step: None, "test-watch")
-        protocol = LeaderStep(settings, None, lambda step: next(it), lambda: None, watch, ShardWorkTally())
+        protocol = LeaderStep(settings, None, lambda step: next(it), lambda: None, watch, ShardWorkTally(), epoch_id=1)
     else:
         protocol = MemberStep(settings, None)
     out = []
