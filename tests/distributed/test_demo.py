@@ -28,7 +28,7 @@ FAILING_DEMO = Path(__file__).resolve().parents[1] / "support" / "failing_demo.p
 # The demo commands README.md and docs/ show, as run after ``python``: this module runs each with
 # its own checks, and test_docs_examples runs only the shown commands that are not here.
 QUICKSTART = ("-m", "collective_loader", "demo")
-MIDDLE_STAGE_LEADER = (*QUICKSTART, "--mesh", "pp=3,dp=2", "--samples", "48")
+MIDDLE_STAGES = (*QUICKSTART, "--mesh", "pp=3,dp=2", "--samples", "48")
 UNDER_TORCHRUN = (
     "-m",
     "torch.distributed.run",
@@ -42,7 +42,7 @@ UNDER_TORCHRUN = (
     "32",
 )
 REMOTE = (*QUICKSTART, "--remote", "--mesh", "pp=2,dp=2", "--samples", "32")
-RUN_HERE = (QUICKSTART, MIDDLE_STAGE_LEADER, UNDER_TORCHRUN, REMOTE)
+RUN_HERE = (QUICKSTART, MIDDLE_STAGES, UNDER_TORCHRUN, REMOTE)
 
 
 def _run(cmd: list[str]) -> str:
@@ -62,16 +62,18 @@ def test_demo_default_shows_the_naive_mismatch_and_ours_clean():
 
 
 @pytest.mark.parametrize("mesh", ["pp=3,dp=2", pytest.param("pp=4,dp=2", marks=pytest.mark.slow)])
-def test_demo_with_a_leader_on_a_middle_stage(mesh):
-    """The default placement puts replica 1's leader on stage 1 (a middle stage, whose batches
-    are empty): the report counts each replica's samples where they are, on its first stage."""
+def test_demo_with_middle_stages_outside_delivery(mesh):
+    """Middle stages get nothing (no every_stage keys): they are outside delivery, iterate through
+    their leader's bulletin, and see the same steps; the default placement puts replica 1's leader
+    on the last stage, and the report counts each replica's samples on its first stage."""
     dims, shape = parse_mesh(mesh)
     layout = MeshLayout.build(dims, shape, range(math.prod(shape)))
-    assert any(layout.place(r).stage == "middle" for r in layout.leaders())
+    assert [layout.place(r).stage for r in layout.leaders()] == ["first", "last"]
     out = _run([sys.executable, *QUICKSTART, "--mesh", mesh, "--samples", "48"])
     assert "all checks passed" in out and out.count("[ok]") == 5, out
     assert "samples per replica: {0: 24, 1: 24}" in out, out
-    assert re.search(r"leader, middle stage, dp_rank 1 +\{\} \(nothing: middle stage\)", out), out
+    assert re.search(r"middle stage, dp_rank 1 +\{\} \(nothing: middle stage\)", out), out
+    assert re.search(r"leader, last stage, dp_rank 1 +labels", out), out
 
 
 @pytest.mark.parametrize("phase, rank", [("naive", 3), pytest.param("report", 0, marks=pytest.mark.slow)])
