@@ -586,10 +586,12 @@ def layout_row(pp: int, dp: int, cp: int, tp: int) -> dict[str, Any]:
     """Groups and collectives per step of a mesh, from the layout code.
 
     A leader runs one all-reduce among the leaders (when there are several), then one message
-    collective per delivery group (first, last and middle stages; steady state: batch sizes
-    repeat); a receiver takes part in its own group's collective."""
+    collective per delivery group (first and last stage; steady state: batch sizes repeat); a
+    receiver takes part in its own group's collective. Without every_stage keys the middle stages
+    are outside delivery: no collective (one store read per prefetch window if they iterate)."""
     layout = MeshLayout.build(("pp", "dp", "cp", "tp"), (pp, dp, cp, tp), range(pp * dp * cp * tp))
-    per_group = {name: 1 for name, _ in layout.replica_groups()[0].all()}
+    named = [name for name, _ in layout.replica_groups()[0].all()]
+    per_group = {name: 1 for name in named if name != "middle"}
     return {
         "pp": pp,
         "dp": dp,
@@ -598,7 +600,7 @@ def layout_row(pp: int, dp: int, cp: int, tp: int) -> dict[str, Any]:
         "gpus": pp * dp * cp * tp,
         "groups": group_count(layout.dp_size, layout.pp_size),
         "leader": int(len(layout.leaders()) > 1) + sum(per_group.values()),
-        "receiver": per_group,
+        "receiver": {**per_group, **({"middle": 0} if "middle" in named else {})},
     }
 
 
@@ -909,7 +911,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
         (
             "No processes: `layout.group_count(dp, pp)` and `MeshLayout(...).replica_groups()`. Derivation: a "
             "leader does 1 all-reduce among leaders (when dp > 1), plus one message collective per delivery group: "
-            "first stage, last stage (with pp = 1 they are one group) and middle stages (when pp > 2); a receiver "
+            "first stage and last stage (with pp = 1 they are one group); middle stages, without every_stage keys, "
+            "are outside delivery (0 collectives); a receiver "
             "does 1. That is the steady state, while batch sizes repeat: a batch larger than the previous one on "
             "its channel costs one more collective. None of this grows with tp or cp."
         ),
