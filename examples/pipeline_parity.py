@@ -1,9 +1,9 @@
 """N-D parallel training whose loss matches single-process training, and the seed's naive set-up
 whose loss does not.
 
-    python examples/pipeline_parity.py            # the three default cases below
+    python examples/pipeline_parity.py            # the four default cases below
     python examples/pipeline_parity.py --all      # every case with every schedule it supports
-    python examples/pipeline_parity.py --case pp2-dp2 --schedule GPipe  # the one the test suite runs
+    python examples/pipeline_parity.py --case pp2-dp2 --schedule GPipe  # a run the test suite makes
     python examples/pipeline_parity.py --case pp2-dp2-tp2 --schedule GPipe --steps 30
 
 A tiny decoder-only transformer (embedding, 8 causal self-attention blocks, head) is split into
@@ -15,23 +15,51 @@ step) on a gloo world whose mesh is built by TorchTitan's own ``ParallelDims``:
 * ``pp2-dp2-tp2`` (8 ranks): the same with DTensor tensor parallelism inside each stage
   (``parallelize_module``: column-wise q, k, v and first MLP layer, row-wise attention output
   and second MLP layer); GPipe, 1F1B;
-* ``pp4-interleaved`` (4 ranks): four pipeline ranks with two stages each (8 stages);
-  Interleaved1F1B, LoopedBFS. Pipeline ranks 1 and 2 are middle stages: the loader gives them
-  ``{}`` and they pass nothing to ``schedule.step``.
+* ``pp4-interleaved`` (4 ranks): four pipeline ranks with two stages each (8 stages, stage ``s``
+  on pp rank ``s % 4``); Interleaved1F1B, LoopedBFS;
+* ``pp2-v`` (4 ranks): two pipeline ranks with two stages each in a V (4 stages; pp rank ``r``
+  holds stages ``r`` and ``3 - r``, so pp rank 0 holds the first stage and the last, the
+  loss), data parallel over 2 replicas with FSDP2 of each stage as in ``pp2-dp2``;
+  ZBVZeroBubble, DualPipeV.
 
 In the tp case data parallelism is a gradient all-reduce over the ``dp_shard`` mesh (on the local
 shards of the DTensor gradients); FSDP2 over TP's DTensors would need a 2-D (dp_shard, tp) mesh
 and is not covered here. CollectiveLoader over a real ``StreamingDataset`` on MDS shards
-written here feeds it: the first stage passes ``input_ids`` to ``schedule.step``, the last stage
-passes ``labels`` as the target.
+written here feeds it, built with the case's ``stage_style`` ("loop", or "v" for ``pp2-v``) and
+``schedule=`` this rank's schedule, which it checks against that style: the first stage passes
+``input_ids`` to ``schedule.step``, the last stage passes ``labels`` as the target; under "v",
+pp rank 0 passes both. The other pipeline ranks (pp ranks 1 and 2 of ``pp4-interleaved``, pp rank
+1 of ``pp2-v``) are middle stages: they build the loader (construction is collective) but never
+iterate it, as Megatron's middle stages never touch theirs (``loader.in_delivery`` is False
+there); they only call ``schedule.step()``, for a step count fixed up front (at most one epoch,
+so that the ranks that do iterate have a batch at every step).
 
 Then, in the same world with a fresh copy of the model, the seed's naive set-up
 (mosaicml/streaming#827): every rank builds its own ``StreamingDataset`` with
-``replication = tp * cp``, so the last stage computes the loss against labels of other samples
-than the first stage's inputs. For each set-up, rank 0 then trains the same model, initial
-weights and global batches (the replicas' first-stage batches of each step, in dp order) in its
-own process alone, and the per-step losses are compared. Exit code 1 unless ours matches and the
-naive one does not, in every case run.
+``replication = tp * cp`` and iterates it, and the first stage is pp rank 0 and the last pp rank
+``pp - 1``, as the docs used to say. Under "loop" the last stage then computes the loss
+against labels of other samples than the first stage's inputs. For each set-up, rank 0 then
+trains the same model, initial weights and global batches (the replicas' first-stage batches of
+each step, in dp order) in its own process alone, and the per-step losses are compared. Under
+"v" the naive set-up does not train at all: at its first ``schedule.step`` pp rank 0, which
+holds the last stage but has no labels, raises ``PipeliningMetadataError: Stage 3: loss_fn and
+target required for last stage`` (torch's shape inference, before any micro-batch runs), and pp
+rank 1, which passed its labels to a schedule that has no use for them, waits for stage 3's
+metadata until its group's timeout. On a real job that is a crash of pp rank 0 and the rest of
+its pipeline stuck until the process group's timeout; here the naive set-up's pipeline group
+under "v" has a ``NAIVE_V_TIMEOUT_S`` (5 s) timeout so that the run ends and is reported.
+(Giving pp rank 0 the labels of its own dataset instead, measured with ZBVZeroBubble: the
+per-step losses match single-process training on those batches, 2.2e-7, but pp rank 1's
+dataset partition is read and never trained on, so the naive epoch ends after 16 steps having
+trained 256 of the 512 samples; this example does not run that variant.) Exit code 1 unless
+ours matches, and the naive one does not (under "loop") or fails (under "v"), in every case run.
+
+The V schedules on this CPU (torch 2.14, gloo): both ZBVZeroBubble and DualPipeV train here with
+FSDP2 at pp=2 (no CUDA in their code paths). Both take exactly two stages per rank;
+DualPipeV refuses fewer micro-batches than stages (``n_microbatches >= 2 * pp``: 4 here);
+ZBVZeroBubble runs any number (it plans for at least ``2 * pp - 1`` and drops the rest).
+FSDP2 warns that its wrapped stages return view tensors (``FSDP2-wrapped module (FSDPStage)
+returned a view tensor``: nothing here changes them in place); the losses match all the same.
 
 TorchTitan on CPU: ``ParallelDims.build_mesh`` takes its device type from
 ``torchtitan.tools.utils``, which falls back to "cuda" without an accelerator, so this sets
@@ -44,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -64,12 +93,15 @@ from collective_loader.text import lm_collate
 
 VOCAB, SEQ, DIM, HEAD_DIM, LAYERS = 61, 32, 32, 8, 8
 SAMPLES = 512
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")  # torch.distributed.pipelining.Schedule<name>
+# torch.distributed.pipelining.Schedule<name>
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble", "DualPipeV")
+NAIVE_V_TIMEOUT_S = 5  # the naive set-up's pipeline group under "v", where a rank is left waiting
 
 
 @dataclass(frozen=True)
 class Case:
-    """A mesh (TorchTitan's degrees) and the schedules that fit its stages per rank."""
+    """A mesh (TorchTitan's degrees), the schedules that fit its stages per rank, and where they
+    put the stages (``style``: CollectiveLoader's ``stage_style``)."""
 
     pp: int
     dp: int
@@ -77,6 +109,13 @@ class Case:
     stages_per_rank: int
     schedules: tuple[str, ...]
     fsdp: bool = False  # data parallel by FSDP2's fully_shard, else by a gradient all-reduce
+    style: str = "loop"  # "loop": stage s on pp rank s % pp; "v": pp rank r holds stages r and 2 pp - 1 - r
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The stages pp rank ``pp_rank`` holds, in the order its schedule takes them."""
+        if self.style == "v":
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return [pp_rank + i * self.pp for i in range(self.stages_per_rank)]
 
     @property
     def world(self) -> int:
@@ -87,8 +126,14 @@ CASES = {
     "pp2-dp2": Case(pp=2, dp=2, tp=1, stages_per_rank=1, schedules=("GPipe", "1F1B"), fsdp=True),
     "pp2-dp2-tp2": Case(pp=2, dp=2, tp=2, stages_per_rank=1, schedules=("GPipe", "1F1B")),
     "pp4-interleaved": Case(pp=4, dp=1, tp=1, stages_per_rank=2, schedules=("Interleaved1F1B", "LoopedBFS")),
+    "pp2-v": Case(pp=2, dp=2, tp=1, stages_per_rank=2, schedules=("ZBVZeroBubble", "DualPipeV"), fsdp=True, style="v"),
 }
-DEFAULT_RUNS = (("pp2-dp2", "GPipe"), ("pp2-dp2-tp2", "1F1B"), ("pp4-interleaved", "Interleaved1F1B"))
+DEFAULT_RUNS = (
+    ("pp2-dp2", "GPipe"),
+    ("pp2-dp2-tp2", "1F1B"),
+    ("pp4-interleaved", "Interleaved1F1B"),
+    ("pp2-v", "ZBVZeroBubble"),
+)
 
 
 @dataclass(frozen=True)
@@ -202,18 +247,8 @@ def titan_dims(pp: int, dp: int, tp: int):
     return dims
 
 
-def batches(a: Args, mesh, tp: int, naive: bool):
-    """This rank's batches: CollectiveLoader's, or the naive set-up's own StreamingDataset's."""
-    if not naive:
-        source = StreamingSource(mesh, local=a.data, batch_size=a.batch_size, shuffle=True, shuffle_seed=3)
-        loader = CollectiveLoader(
-            source, mesh, inputs=("input_ids", "position_ids", "sample_id"), labels=("labels", "sample_id")
-        )
-        try:
-            yield from loader
-        finally:
-            loader.close()
-        return
+def naive_batches(a: Args, tp: int):
+    """The naive set-up's batches on this rank: its own StreamingDataset's."""
     from streaming import StreamingDataset
 
     replication = tp  # tp * cp, with cp = 1 here
@@ -245,6 +280,27 @@ def tp_plan() -> dict:
     }
 
 
+def naive_pp_group(mesh, pp: int):
+    """A gloo group over this rank's pipeline, like the mesh's ``pp`` group but with a timeout of
+    ``NAIVE_V_TIMEOUT_S``: under "v" the naive set-up's first step fails on pp rank 0 and leaves
+    the other pp ranks waiting in a receive, which the mesh's group (30 min) would not end."""
+    import datetime
+
+    mine = None
+    for ranks in mesh.mesh.movedim(0, -1).reshape(-1, pp).tolist():  # every pp group, on every rank
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=NAIVE_V_TIMEOUT_S))
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def error_text(e: BaseException) -> str:
+    """One line: the exception's type and first line, without gloo's source location."""
+    lines = str(e).strip().splitlines()
+    first = re.sub(r"^\[[^\]]*\] ", "", lines[0]) if lines else ""  # gloo: "[.../pair.cc:561] ..."
+    return f"{type(e).__name__}: {first}"
+
+
 def train(a: Args, dims, naive: bool) -> dict:
     """Train a fresh model for ``a.steps`` steps on this rank, fed by CollectiveLoader or, if
     ``naive``, by the naive set-up; this rank's record of the run."""
@@ -258,7 +314,8 @@ def train(a: Args, dims, naive: bool) -> dict:
     pp_rank, dp_rank, tp_rank = (mesh[d].get_local_rank() for d in ("pp", "batch", "tp"))
     n_stages = case.pp * case.stages_per_rank
     model = build_model()
-    parts = [Stage(model, pp_rank + i * case.pp, n_stages) for i in range(case.stages_per_rank)]
+    stage_ids = case.stage_ids(pp_rank)
+    parts = [Stage(model, k, n_stages) for k in stage_ids]
     if case.tp > 1:
         for part in parts:
             for block in part.blocks:
@@ -266,10 +323,11 @@ def train(a: Args, dims, naive: bool) -> dict:
     if case.fsdp:
         for part in parts:
             fully_shard(part, mesh=dims.get_mesh("dp_shard"))
-    pp_group = dims.get_mesh("pp").get_group()
+    naive_v = naive and case.style == "v"
+    pp_group = naive_pp_group(mesh, case.pp) if naive_v else dims.get_mesh("pp").get_group()
     stages = [
-        pipelining.PipelineStage(part, pp_rank + i * case.pp, n_stages, torch.device("cpu"), group=pp_group)
-        for i, part in enumerate(parts)
+        pipelining.PipelineStage(part, k, n_stages, torch.device("cpu"), group=pp_group)
+        for k, part in zip(stage_ids, parts)
     ]
     make = getattr(pipelining, f"Schedule{a.schedule}")
     if case.stages_per_rank == 1:
@@ -280,32 +338,78 @@ def train(a: Args, dims, naive: bool) -> dict:
     optimizer = torch.optim.SGD(params, lr=a.lr)
     dp_group = dims.get_mesh("dp_shard").get_group() if case.dp > 1 else None
     average_grads = dp_group is not None and not case.fsdp  # FSDP2 reduce-scatters the mean itself
-    first, last = pp_rank == 0, pp_rank == case.pp - 1
-    losses, ids = [], []
-    stream = batches(a, mesh, case.tp, naive)
-    for _, batch in zip(range(a.steps), stream):
+
+    if naive:  # every rank reads its own batches; the first and last pp ranks, as the docs used to say
+        loader = None
+        first, last = pp_rank == 0, pp_rank == case.pp - 1
+        stream = naive_batches(a, case.tp)
+        steps = a.steps  # and it stops where its own data ends
+    else:
+        source = StreamingSource(  # the same stage_style as the loader's: it places the leaders
+            mesh, local=a.data, batch_size=a.batch_size, shuffle=True, shuffle_seed=3, stage_style=case.style
+        )
+        loader = CollectiveLoader(
+            source,
+            mesh,
+            inputs=("input_ids", "position_ids", "sample_id"),
+            labels=("labels", "sample_id"),
+            stage_style=case.style,
+            schedule=schedule,  # checked: the loader's last stage must be the schedule's
+        )
+        first, last = loader.is_first_stage, loader.is_last_stage
+        # Middle stages (no every_stage keys) are outside delivery: they never iterate the loader
+        # and only call schedule.step(), for a step count fixed up front (Megatron's
+        # train_iters): one epoch at most, so every fed rank has a batch at each of them.
+        assert loader.in_delivery == (first or last)
+        stream = iter(loader) if loader.in_delivery else None
+        steps = min(a.steps, SAMPLES // (case.dp * a.batch_size))
+    losses, ids, error = [], [], None
+    for step in range(1, steps + 1):
+        batch = next(stream, None) if stream is not None else {}  # naive middle stages drop theirs
+        if batch is None:  # the naive set-up's data ended
+            break
         optimizer.zero_grad()
+        mb_losses: list[torch.Tensor] = []
+        args = (batch["input_ids"],) if first else ()
+        kwargs = {"target": batch["labels"], "losses": mb_losses} if last else {}
+        if naive_v and step == 1:
+            dist.barrier()  # the pipeline group's short timeout then counts from the same moment on every rank
+        try:
+            schedule.step(*args, **kwargs)
+        except Exception as e:  # the naive set-up under "v": see the module docstring
+            if not naive_v:
+                raise
+            error = f"at step {step}: {error_text(e)}"
+            break
         if first:
-            schedule.step(batch["input_ids"])
             ids.append(batch["sample_id"].tolist())
-        elif last:
-            mb_losses: list[torch.Tensor] = []
-            schedule.step(target=batch["labels"], losses=mb_losses)
+        if last:
             loss = torch.stack(mb_losses).mean().detach()
             if dp_group is not None:
                 dist.all_reduce(loss, group=dp_group)
             losses.append(loss.item() / case.dp)
-        else:
-            assert naive or batch == {}, sorted(batch)  # middle stages: our loader gives them nothing
-            schedule.step()
         if average_grads:  # data parallel: average the gradients over the replicas
             for p in params:
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # the shard, in place
                 dist.all_reduce(grad, group=dp_group)
                 grad /= case.dp
         optimizer.step()
-    stream.close()  # the loader or the naive dataset is released here, on every rank
-    return {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank, "losses": losses, "ids": ids}
+    if naive:
+        stream.close()  # the naive datasets are released here, on every rank
+        if naive_v:
+            dist.destroy_process_group(pp_group)
+    else:
+        loader.close()  # on every rank, iterated or not
+    return {
+        "pp": pp_rank,
+        "dp": dp_rank,
+        "tp": tp_rank,
+        "first": first,
+        "last": last,
+        "losses": losses,
+        "ids": ids,
+        "error": error,
+    }
 
 
 def rank_main(a: Args) -> int:
@@ -343,18 +447,21 @@ def reference_losses(a: Args, global_ids: list[list[int]]) -> list[float]:
     return out
 
 
-def compared(a: Args, records: tuple[dict, ...]) -> tuple[list[float], list[float]]:
-    """One set-up's (distributed losses, reference losses on the first stage's global batches),
-    from every rank's record of it."""
-    case = CASES[a.case]
-    last = next(r for r in records if r["pp"] == case.pp - 1 and r["dp"] == 0 and r["tp"] == 0)
-    firsts = sorted((r for r in records if r["pp"] == 0 and r["tp"] == 0), key=lambda r: r["dp"])
-    global_ids = [sum((r["ids"][step] for r in firsts), []) for step in range(len(last["losses"]))]
-    return last["losses"], reference_losses(a, global_ids)
+def compared(a: Args, records: tuple[dict, ...]) -> dict:
+    """One set-up's distributed losses (``got``) and reference losses on the first stage's global
+    batches (``want``), from every rank's record of it; or, for a run that failed, each failed
+    pp rank's error (``errors``, replica 0, tp rank 0)."""
+    errors = [f"pp rank {r['pp']} {r['error']}" for r in records if r["error"] and r["dp"] == 0 and r["tp"] == 0]
+    if errors:
+        return {"errors": errors}
+    loss_rank = next(r for r in records if r["last"] and r["dp"] == 0 and r["tp"] == 0)
+    firsts = sorted((r for r in records if r["first"] and r["tp"] == 0), key=lambda r: r["dp"])
+    global_ids = [sum((r["ids"][step] for r in firsts), []) for step in range(len(loss_rank["losses"]))]
+    return {"got": loss_rank["losses"], "want": reference_losses(a, global_ids)}
 
 
-def run(a: Args) -> list[tuple[list[float], list[float]]]:
-    """For CollectiveLoader's set-up, then the naive one: (distributed losses, reference losses)."""
+def run(a: Args) -> list[dict]:
+    """For CollectiveLoader's set-up, then the naive one: what ``compared`` found."""
     code = launch.run(rank_main, a, CASES[a.case].world, timeout=600)
     if code:
         raise SystemExit(f"the {a.case} {a.schedule} world failed with exit code {code}")
@@ -393,9 +500,17 @@ def main(argv: list[str] | None = None) -> int:
         data = os.path.join(tmp, "mds")  # written by the first world's rank 0
         for name, schedule in runs:
             a = Args(data, name, schedule, ns.steps, out=os.path.join(tmp, "records.pt"))
-            for naive, (got, want) in zip((False, True), run(a)):
-                worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+            for naive, found in zip((False, True), run(a)):
                 label = "naive replication" if naive else "collective_loader"
+                if "errors" in found:  # expected of the naive set-up under "v" only
+                    print(
+                        f"{name:15s} {schedule:15s} {label:18s} fails: {'; '.join(found['errors'])}",
+                        flush=True,
+                    )
+                    ok &= naive and CASES[name].style == "v"
+                    continue
+                got, want = found["got"], found["want"]
+                worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
                 print(
                     f"{name:15s} {schedule:15s} {label:18s} loss step 1 {got[0]:.4f} -> step {len(got)} "
                     f"{got[-1]:.4f}; single process {want[0]:.4f} -> {want[-1]:.4f}; worst relative gap {worst:.2e}",
@@ -404,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                 ok &= (worst > 0.1) if naive else (worst <= RTOL)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print("parity holds, and the naive set-up diverges" if ok else "PARITY CHECK FAILED")
+    print("parity holds, and the naive set-up diverges (or fails, under v)" if ok else "PARITY CHECK FAILED")
     return 0 if ok else 1
 
 

@@ -1,7 +1,9 @@
 """examples/pipeline_parity.py, run as a user runs it: N-D parallel training on meshes built by
 TorchTitan's ParallelDims (pp=2 x dp=2 with GPipe; pp=2 x dp=2 x DTensor tp=2 with 1F1B; pp=4 with
-two stages per rank under Interleaved1F1B), fed by CollectiveLoader over a real StreamingDataset,
-matches single-process training step for step; the seed's naive set-up does not."""
+two stages per rank under Interleaved1F1B; pp=2 x dp=2 with two stages per rank in a V under
+ZBVZeroBubble and DualPipeV), fed by CollectiveLoader over a real StreamingDataset, matches
+single-process training step for step; the seed's naive set-up does not (under a V schedule it
+fails at its first step: pp rank 0 holds the loss and gets no labels)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,12 @@ import sys
 import pytest
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "pipeline_parity.py")
-LINE = re.compile(r"^(\S+)\s+(\S+)\s+(collective_loader|naive replication)\s.*worst relative gap (\S+)$", re.M)
+# one line per case, schedule and set-up: "... worst relative gap <gap>", or "... fails: <each pp rank's error>"
+LINE = re.compile(
+    r"^(\S+)\s+(\S+)\s+(collective_loader|naive replication)\s.*(?:worst relative gap (\S+)|fails: (.*))$",
+    re.M,
+)
+V_CASES = {"pp2-v"}
 
 
 def _run(args: list[str], timeout: float) -> list[tuple[str, str, str, str]]:
@@ -32,7 +39,9 @@ def _run(args: list[str], timeout: float) -> list[tuple[str, str, str, str]]:
         proc.communicate()
         raise
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    return LINE.findall(out)
+    return [
+        (case, schedule, setup, gap or f"fails: {error}") for case, schedule, setup, gap, error in LINE.findall(out)
+    ]
 
 
 def _assert_parity(lines, want_runs) -> None:
@@ -41,22 +50,38 @@ def _assert_parity(lines, want_runs) -> None:
     for case, schedule, setup, gap in lines:
         if setup == "collective_loader":
             assert float(gap) <= 1e-5, (case, schedule, gap)  # float32 parity
+        elif case in V_CASES:  # pp rank 0 computes the loss but, routed as under "loop", has no labels
+            assert "pp rank 0 at step 1: PipeliningMetadataError: Stage 3: loss_fn and target required" in gap, gap
         else:
             assert float(gap) > 0.1, (case, schedule, gap)  # labels of other samples: the loss stays high
 
 
 @pytest.mark.timeout(600)
 def test_training_matches_single_process_and_naive_diverges():
-    """The default run: one case, the cheapest (pp=2 x dp=2, GPipe; with DTensor tp=2 it took
-    200 s here); the others are in the slow variants."""
+    """The default run: one loop case, the cheapest (pp=2 x dp=2, GPipe; with DTensor tp=2 it took
+    200 s here); the other loop cases are in the slow variants, the V case has its own test."""
     _assert_parity(_run(["--case", "pp2-dp2", "--schedule", "GPipe"], timeout=600), [("pp2-dp2", "GPipe")])
+
+
+@pytest.mark.timeout(600)
+def test_v_schedule_matches_single_process_and_naive_fails():
+    """The default V run: pp=2 x dp=2 with FSDP2, two stages per pp rank in a V under
+    ZBVZeroBubble: the loader, built with stage_style="v" and the schedule, gives pp rank 0 both
+    the inputs and the labels, and pp rank 1 (a middle stage) never iterates it. DualPipeV is in
+    the slow variant."""
+    _assert_parity(_run(["--case", "pp2-v", "--schedule", "ZBVZeroBubble"], timeout=600), [("pp2-v", "ZBVZeroBubble")])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_example_s_default_cases():
     """What ``python examples/pipeline_parity.py`` runs: one schedule for each case."""
-    want = [("pp2-dp2", "GPipe"), ("pp2-dp2-tp2", "1F1B"), ("pp4-interleaved", "Interleaved1F1B")]
+    want = [
+        ("pp2-dp2", "GPipe"),
+        ("pp2-dp2-tp2", "1F1B"),
+        ("pp4-interleaved", "Interleaved1F1B"),
+        ("pp2-v", "ZBVZeroBubble"),
+    ]
     _assert_parity(_run([], timeout=900), want)
 
 
@@ -71,5 +96,7 @@ def test_every_case_and_schedule():
         ("pp2-dp2-tp2", "1F1B"),
         ("pp4-interleaved", "Interleaved1F1B"),
         ("pp4-interleaved", "LoopedBFS"),
+        ("pp2-v", "ZBVZeroBubble"),
+        ("pp2-v", "DualPipeV"),
     ]
     _assert_parity(_run(["--all"], timeout=1700), want)
