@@ -29,7 +29,7 @@ from collective_loader.delivery.config import LoaderConfig, make_config
 from collective_loader.delivery.epoch import Epoch, OutsideEpoch
 from collective_loader.delivery.figures import ShardWorkTally
 from collective_loader.delivery.settings import Settings, build_settings, log_settings
-from collective_loader.delivery.source import Source, build_source
+from collective_loader.delivery.source import PlacesLeaders, Source, build_source
 from collective_loader.delivery.state import share_state
 from collective_loader.errors import ConstructionError, LeaderError
 from collective_loader.plan.mesh import MeshLayout, Place
@@ -88,9 +88,9 @@ class CollectiveLoader:
         control = control_group(config.timeout if config is not None else options.get("timeout", LoaderConfig.timeout))
         self.settings: Settings = build_settings(lambda: make_config(config, options), mesh, control)
         place = self.settings.place
-        run_phase(  # every rank, schedule given or not: a phase is collective
+        run_phase(  # every rank, whatever it was given: a phase is collective
             control,
-            lambda: _check_schedule(schedule, place),
+            lambda: _check_placement(source, schedule, self.settings),
             lambda rank, text: ConstructionError(f"rank {rank} could not build CollectiveLoader: {text}"),
         )
         self._source: Source | None = run_phase(
@@ -329,9 +329,17 @@ def _close_live_loaders() -> None:
             warnings.warn(f"CollectiveLoader.close() at exit: {e}", stacklevel=1)
 
 
-def _check_schedule(schedule: Any, place: Place) -> None:
-    if schedule is None:
-        return
-    from collective_loader.plan.schedules import check_schedule  # imports torch's pipelining only when used
+def _check_placement(source: Any, schedule: Any, settings: Settings) -> None:
+    """Refuse a source that put the leaders elsewhere, or a schedule that puts the loss elsewhere."""
+    leaders = settings.mesh_layout.leaders()
+    if isinstance(source, PlacesLeaders) and tuple(source.leaders) != leaders:
+        config = settings.config
+        raise ValueError(
+            f"the source places the replicas' leaders on ranks {list(source.leaders)}, the loader on {list(leaders)} "
+            f"(placement={config.placement!r}, stage_style={config.stage_style!r}): give both the same placement= "
+            "and stage_style="
+        )
+    if schedule is not None:
+        from collective_loader.plan.schedules import check_schedule  # imports torch's pipelining only when used
 
-    check_schedule(schedule, place)
+        check_schedule(schedule, settings.place)

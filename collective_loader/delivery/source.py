@@ -88,6 +88,19 @@ class Source(Protocol):
         ...
 
 
+@runtime_checkable
+class PlacesLeaders(Protocol):
+    """A source callable, built on every rank, that fixed where the replicas' leaders sit (a
+    ``StreamingSource``: its leaders form streaming's world at construction). The loader refuses
+    one whose leaders are not its own, on every rank, before any leader calls it: the two
+    disagreeing would leave some leaders waiting for others that never come."""
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        """The leader ranks, ordered by dp_rank."""
+        ...
+
+
 def build_source(source: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Mapping[str, Any]]]) -> Source:
     """A leader's source: ``source``, or what calling it returns, as a :class:`Source`
     (:func:`as_source`). ``TypeError`` if it is neither iterable nor a callable returning one.

@@ -71,8 +71,8 @@ DEFAULT_ROLES: dict[str, Role] = {
 class ReplicaGroups:
     """The groups of one replica (sorted global ranks, leader included).
 
-    ``ranks`` is the whole replica (used to share the loader's state at checkpoint time);
-    ``first``, ``last`` and ``middle`` are the delivery groups.
+    ``ranks`` is the whole replica; ``first``, ``last`` and ``middle`` the ranks of its stages with
+    the leader (``middle`` is a delivery group only when there are ``every_stage`` keys).
     """
 
     dp_rank: int
@@ -83,7 +83,7 @@ class ReplicaGroups:
     middle: tuple[int, ...] | None
 
     def all(self) -> list[tuple[str, tuple[int, ...]]]:
-        """``(name, ranks)`` of the delivery groups that exist, in the order they are created."""
+        """``(name, ranks)`` of the stage groups that exist, in the order they are created."""
         named = [("first", self.first), ("last", self.last), ("middle", self.middle)]
         return [(name, ranks) for name, ranks in named if ranks is not None]
 

@@ -113,7 +113,7 @@ class StreamingSource:
         _check_text_options(layout, packing, collate, documents_per_batch)
         mesh_layout = MeshLayout.from_mesh(mesh, roles, placement, stage_style)
         self.place = mesh_layout.place(dist.get_rank())
-        leaders = mesh_layout.leaders()
+        self.leaders = leaders = mesh_layout.leaders()
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         # pure arithmetic from the layout and the node size, done on every rank: a placement
         # streaming cannot express is refused everywhere, not on the leaders alone (the others

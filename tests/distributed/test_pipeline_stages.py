@@ -190,7 +190,73 @@ def mismatched_schedule() -> str:
     return refused
 
 
+# every schedule torch.distributed.pipelining exports, and the style its stage-to-rank mapping has
+SCHEDULES = {
+    "ScheduleGPipe": "loop",
+    "Schedule1F1B": "loop",
+    "ScheduleInterleaved1F1B": "loop",
+    "ScheduleLoopedBFS": "loop",
+    "ScheduleInterleavedZeroBubble": "loop",
+    "ScheduleZBVZeroBubble": "v",
+    "ScheduleDualPipeV": "v",
+}
+
+
+def every_schedule_style() -> dict[str, str]:
+    """Every rank: each of torch's schedules over the mesh's pp dim (1 stage per rank for the
+    single-stage ones, 2 for the others, placed as each schedule expects), read by stage_style_of."""
+    from torch.distributed import pipelining
+
+    from collective_loader import stage_style_of
+
+    mesh = ranks.make_mesh(*MESH)
+    pp_group, pp = mesh.get_group("pp"), mesh.get_local_rank("pp")
+    found = {}
+    for name, style in SCHEDULES.items():
+        schedule_class = getattr(pipelining, name)
+        single = name in ("ScheduleGPipe", "Schedule1F1B")
+        indices = [pp] if single else [pp, 2 * 4 - 1 - pp] if style == "v" else [pp, pp + 4]
+        stages = [
+            pipelining.PipelineStage(torch.nn.Linear(4, 4), i, len(indices) * 4, torch.device("cpu"), group=pp_group)
+            for i in indices
+        ]
+        loss = torch.nn.functional.mse_loss
+        schedule = schedule_class(stages[0] if single else stages, n_microbatches=8, loss_fn=loss)
+        found[name] = stage_style_of(schedule)
+    return found
+
+
+def test_every_torch_schedule_has_its_stage_style(world):
+    from torch.distributed import pipelining
+
+    assert {n for n in pipelining.__all__ if n.startswith("Schedule")} == set(SCHEDULES)
+    for found in world.run(every_schedule_style, timeout=120):
+        assert found == SCHEDULES
+
+
 def test_a_schedule_that_puts_the_loss_elsewhere_is_refused_on_every_rank(world):
     results = world.run(mismatched_schedule, timeout=120)
     for text in results:  # and the same schedule with stage_style="v" is accepted
         assert "stage_style='loop'" in text and "pass stage_style='v'" in text, text
+
+
+def source_with_other_leaders() -> str:
+    """Every rank: a StreamingSource built for a V schedule (every leader on pp rank 0), given to a
+    loader left at stage_style="loop" (leaders on both end stages)."""
+    from collective_loader.streaming import StreamingSource
+
+    mesh = ranks.make_mesh(*MESH)
+    source = StreamingSource(mesh, batch_size=2, local="/nowhere", stage_style="v", timeout=30)
+    try:
+        CollectiveLoader(source, mesh, **ranks.KEYS, timeout=30)
+    except ConstructionError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_source_that_placed_the_leaders_elsewhere_is_refused_on_every_rank(world):
+    """Before, the leaders both agreed on built their datasets and waited in streaming's barrier
+    for the others, which never came: a silent hang of streaming's timeout (10 minutes)."""
+    for text in world.run(source_with_other_leaders, timeout=120):
+        assert "places the replicas' leaders on ranks [0, 1], the loader on [0, 7]" in text, text
+        assert "stage_style='loop'" in text, text
