@@ -8,6 +8,14 @@ with ``labels.numel()``. So :class:`TitanDataLoader` delivers every key to every
 one int64 per token and key, small next to a stage's activations. Context parallelism is the
 trainer's job too (``prepare_context_parallel_input``), so sequences arrive whole on cp ranks.
 
+Which pp rank holds the first stage and which the last (the loss) follows the schedule:
+TorchTitan places the stages of ``ZBVZeroBubble`` and ``DualPipeV`` in a V (pp rank 0 holds the
+first stage and the last), every other schedule's in a loop (the last on pp rank ``pp - 1``).
+:func:`titan_stage_style` makes the same decision from the schedule's name, and the loaders built
+for TorchTitan's Trainer pass it to :class:`~collective_loader.CollectiveLoader` as ``stage_style``,
+so their ``is_first_stage`` and ``is_last_stage``, and the stages their leaders sit on, are
+TorchTitan's. Every key still goes to every stage.
+
 For TorchTitan's own Trainer see :mod:`collective_loader.integrations.titan_trainer` (and, on the
 command line, ``--module collective_loader.integrations.titan_configs``); this module does not
 import torchtitan.
@@ -36,6 +44,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.loader import CollectiveLoader
+from collective_loader.plan.mesh import StageStyle
 
 DATA_MESH = ["pp", "batch", "cp", "tp"]  # TorchTitan's data-loading mesh (ParallelDims.build_mesh)
 SHARED = "dp_rank_0"  # the entry of a state that is the same on every rank (see the module's docstring)
@@ -44,6 +53,27 @@ REFUSED = {
     "seq_dims": "TorchTitan's trainer splits the sequence over cp itself (prepare_context_parallel_input)",
     "every_stage": "every key already goes to every stage",
 }
+
+
+def titan_stage_style(schedule: str, pp: int) -> StageStyle:
+    """The stage style in which TorchTitan 0.3 places the stages of the pipeline schedule named
+    ``schedule`` (``--parallelism.pipeline_parallel_schedule``) over ``pp`` pipeline ranks: ``"v"``
+    for the schedule classes it maps in a V (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: pp
+    rank 0 holds the first and the last stage), ``"loop"`` for every other one and without a
+    pipeline (``pp == 1``: TorchTitan reads no schedule then). The same decision as TorchTitan's
+    ``_get_pp_rank_to_stage_indices_mapping``: by the class ``get_schedule_class(schedule)``
+    returns, which raises ``ValueError`` for a name torch does not know.
+
+    >>> titan_stage_style("ZBVZeroBubble", 2), titan_stage_style("dualpipev", 4), titan_stage_style("1F1B", 2)
+    ('v', 'v', 'loop')
+    >>> titan_stage_style("ZBVZeroBubble", 1)
+    'loop'
+    """
+    if pp <= 1:
+        return "loop"
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble, get_schedule_class
+
+    return "v" if get_schedule_class(schedule) in (ScheduleZBVZeroBubble, ScheduleDualPipeV) else "loop"
 
 
 def split_labels(batch: Mapping[str, Any], labels: str = "labels") -> tuple[dict[str, Any], torch.Tensor]:
@@ -64,7 +94,8 @@ class TitanDataLoader:
     ``{"input": tokens, "positions": ...}`` plus ``"labels"``. It is built on one leader per
     data-parallel replica (pass a callable); partition it by the replica's
     ``collective_loader.mesh_place(mesh, rank)``. ``options`` pass through to
-    :class:`~collective_loader.CollectiveLoader` (``timeout``, ``roles``, ``prefetch``, ...).
+    :class:`~collective_loader.CollectiveLoader` (``timeout``, ``roles``, ``prefetch``, ...):
+    ``stage_style="v"`` under a V schedule (:func:`titan_stage_style`).
 
     Example (every rank; ``mesh`` from TorchTitan's ``ParallelDims``)::
 

@@ -120,6 +120,9 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
         _mesh: Annotated[DeviceMesh | None, tyro.conf.Suppress] = None
         """Set by ``TitanTrainer.init_distributed()`` (:func:`~.titan_wrap.with_mesh`); not a command-line field."""
 
+        _stage_style: Annotated[str, tyro.conf.Suppress] = "loop"
+        """The pipeline schedule's stage style (``"v"`` for ZBVZeroBubble and DualPipeV), set with ``_mesh``."""
+
     def __init__(
         self,
         config: Config,
@@ -159,10 +162,17 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
             num_canonical_nodes=config.num_canonical_nodes,
             num_workers=config.num_workers,
             timeout=config.timeout,
+            stage_style=config._stage_style,  # the loader's: the same leaders (a V puts them all on pp rank 0)
             **rows,
         )
         inputs = tuple(PACKED_KEYS) if packing else tuple(PACKED_KEYS.values())
-        super().__init__(functools.partial(_checked, source), mesh, inputs=inputs, timeout=config.timeout)
+        super().__init__(
+            functools.partial(_checked, source),
+            mesh,
+            inputs=inputs,
+            timeout=config.timeout,
+            stage_style=config._stage_style,
+        )
         if (self.dp_rank, self.dp_world_size) != (dp_rank, dp_world_size):
             raise ValueError(
                 f"the mesh puts this rank in replica {self.dp_rank} of {self.dp_world_size}, the Trainer in "

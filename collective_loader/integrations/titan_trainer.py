@@ -12,10 +12,13 @@ tokenizer=, seq_len=, local_batch_size=, snapshot_every_n_steps=)``, without the
 loader needs to know each rank's pipeline stage and replica. So the trainer is
 :class:`TitanTrainer`, TorchTitan's ``Trainer`` with one method extended: ``init_distributed()``
 hands TorchTitan's data-loading mesh ``["pp", "batch", "cp", "tp"]`` to the dataloader configs
-before the Trainer builds them. Nothing else of the Trainer changes. A config of another trainer
-class (``FluxTrainer.Config``, a ``Trainer.Config`` subclass) gets the same extension of its own
-trainer class (:func:`collective_trainer_config`). Every config function of TorchTitan's registries,
-so changed, is on the command line: ``--module collective_loader.integrations.titan_configs``.
+before the Trainer builds them, with the stage style of ``--parallelism.pipeline_parallel_schedule``
+(``"v"`` for ZBVZeroBubble and DualPipeV, whose last stage TorchTitan puts on pp rank 0:
+:func:`~collective_loader.integrations.titan.titan_stage_style`). Nothing else of the Trainer
+changes. A config of another trainer class (``FluxTrainer.Config``, a ``Trainer.Config``
+subclass) gets the same extension of its own trainer class (:func:`collective_trainer_config`).
+Every config function of TorchTitan's registries, so changed, is on the command line:
+``--module collective_loader.integrations.titan_configs``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torchtitan.components.validate import Validator
 from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
-from collective_loader.integrations.titan import DATA_MESH
+from collective_loader.integrations.titan import DATA_MESH, titan_stage_style
 from collective_loader.integrations.titan_streaming import TitanStreamingDataLoader
 from collective_loader.integrations.titan_wrap import NeedsMesh, with_mesh, wrap_dataloader
 
@@ -44,16 +47,18 @@ __all__ = [
 
 class CollectiveMesh:
     """Extends a TorchTitan ``Trainer`` class: ``init_distributed()`` also hands TorchTitan's
-    data-loading mesh to the dataloader configs that need it (training and validation)."""
+    data-loading mesh, and the stage style of its pipeline schedule, to the dataloader configs
+    that need them (training and validation)."""
 
     config: Trainer.Config
 
     def init_distributed(self) -> ParallelDims:
         parallel_dims = super().init_distributed()  # type: ignore[misc]
         mesh = parallel_dims.get_optional_mesh(DATA_MESH, include_singleton_axes=True)
+        style = titan_stage_style(self.config.parallelism.pipeline_parallel_schedule, parallel_dims.pp)
         for dataloader in _dataloaders(self.config):
             if isinstance(dataloader, NeedsMesh):
-                with_mesh(dataloader, mesh)
+                with_mesh(dataloader, mesh, style)
         return parallel_dims
 
 

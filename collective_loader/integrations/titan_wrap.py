@@ -6,8 +6,9 @@ cp rank of a replica opens the same data and tokenizes the same documents. :func
 turns such a config (``HuggingFaceTextDataLoader.Config``, ``ChatDataLoader.Config``, a
 ``BaseDataLoader.Config`` of your own, ...) into one that builds a :class:`ReplicaDataLoader`. It is
 the dataloader step of :func:`~collective_loader.integrations.titan_trainer.load_once_per_replica`,
-which also extends the trainer to hand the wrapped configs their mesh; outside TorchTitan's
-Trainer, give the mesh yourself: ``wrap_dataloader(config, mesh=mesh)``.
+which also extends the trainer to hand the wrapped configs their mesh and its schedule's stage style;
+outside TorchTitan's Trainer, give the mesh yourself: ``wrap_dataloader(config, mesh=mesh)`` (and
+``stage_style="v"`` under a V schedule).
 
 - on each replica's leader it builds the wrapped loader from the user's config, with exactly the
   arguments TorchTitan passed (the leader's ``dp_rank`` and ``dp_world_size``), so the replica
@@ -25,9 +26,9 @@ Trainer, give the mesh yourself: ``wrap_dataloader(config, mesh=mesh)``.
 
 The wrapped config is a subclass of the user's config class with the same fields (so
 ``--dataloader.<field>`` flags and TorchTitan's ``replace(config, infinite=...)`` keep working)
-plus two fields the command line does not see: the data-loading mesh, which the trainer hands over
-(:class:`~collective_loader.integrations.titan_trainer.TitanTrainer`) or ``wrap_dataloader(config,
-mesh=)`` sets (:func:`with_mesh`), and the loader it built.
+plus fields the command line does not see: the data-loading mesh and the pipeline schedule's stage
+style, which the trainer hands over (:class:`~collective_loader.integrations.titan_trainer.TitanTrainer`)
+or ``wrap_dataloader(config, mesh=)`` sets (:func:`with_mesh`), and the loader it built.
 TorchTitan's validator calls ``build()`` at every validation; the wrapped config builds its
 :class:`ReplicaDataLoader` once and afterwards has it build a fresh wrapped loader at the next
 ``iter()``, so each validation starts from the beginning of its data over the same process groups.
@@ -51,7 +52,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 
 from collective_loader.integrations.titan import DATA_MESH
 from collective_loader.loader import CollectiveLoader
-from collective_loader.plan.mesh import mesh_place
+from collective_loader.plan.mesh import StageStyle, mesh_place
 
 __all__ = ["NeedsMesh", "ReplicaDataLoader", "Wrapped", "unwrap_dataloader", "with_mesh", "wrap_dataloader"]
 
@@ -61,11 +62,14 @@ INPUT_DICT, LABELS = "input_dict", "labels"
 
 class NeedsMesh:
     """A dataloader config whose loader needs TorchTitan's data-loading mesh, which the Trainer does
-    not pass to ``build()``: its ``_mesh`` field (hidden from the command line) takes it
-    (:func:`with_mesh`). ``TitanStreamingDataLoader.Config`` and every wrapped config are ones."""
+    not pass to ``build()``: its ``_mesh`` field (hidden from the command line) takes it, and its
+    ``_stage_style`` field the stage style of the Trainer's pipeline schedule
+    (:func:`~collective_loader.integrations.titan.titan_stage_style`), both set by :func:`with_mesh`.
+    ``TitanStreamingDataLoader.Config`` and every wrapped config are ones."""
 
     __slots__ = ()
     _mesh: DeviceMesh | None
+    _stage_style: StageStyle
 
 
 class Wrapped(NeedsMesh):
@@ -164,7 +168,8 @@ class ReplicaDataLoader(BaseDataLoader):
                 "(load_once_per_replica(config) does), or, outside the Trainer, wrap with wrap_dataloader(config, "
                 "mesh=mesh)"
             )
-        place = mesh_place(mesh, dist.get_rank())
+        stage_style = config._stage_style
+        place = mesh_place(mesh, dist.get_rank(), stage_style=stage_style)
         if (place.dp_rank, place.dp_size) != (dp_rank, dp_world_size):
             raise ValueError(
                 f"the mesh puts this rank in replica {place.dp_rank} of {place.dp_size}, the Trainer in {dp_rank} of "
@@ -180,7 +185,9 @@ class ReplicaDataLoader(BaseDataLoader):
             self._leader = _LeaderSource(functools.partial(inner.build, **self.build_args), dp_world_size)
             return self._leader
 
-        self.loader = CollectiveLoader(leader_source, mesh, inputs=(), labels=(), every_stage=(INPUT_DICT, LABELS))
+        self.loader = CollectiveLoader(
+            leader_source, mesh, inputs=(), labels=(), every_stage=(INPUT_DICT, LABELS), stage_style=stage_style
+        )
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         for batch in self.loader:
@@ -238,9 +245,11 @@ def _wrapped_class(config_class: type[BaseDataLoader.Config]) -> type[BaseDataLo
             "__qualname__": f"ReplicaDataLoader[{config_class.__qualname__}]",
             "__annotations__": {
                 "_mesh": Annotated[DeviceMesh | None, tyro.conf.Suppress],
+                "_stage_style": Annotated[str, tyro.conf.Suppress],
                 "_built": Annotated[Any, tyro.conf.Suppress],
             },
             "_mesh": None,
+            "_stage_style": "loop",
             "_built": None,
             "user_class": config_class,
             "build": _build_once,
@@ -255,14 +264,18 @@ def _wrapped_class(config_class: type[BaseDataLoader.Config]) -> type[BaseDataLo
 _WRAPPED_CLASSES: dict[type, type[BaseDataLoader.Config]] = {}
 
 
-def wrap_dataloader(config: BaseDataLoader.Config, *, mesh: DeviceMesh | None = None) -> BaseDataLoader.Config:
+def wrap_dataloader(
+    config: BaseDataLoader.Config, *, mesh: DeviceMesh | None = None, stage_style: StageStyle = "loop"
+) -> BaseDataLoader.Config:
     """``config`` as a config whose ``build()`` makes a :class:`ReplicaDataLoader`: the same
     class (a subclass of it) and field values. A config already wrapped, or one of a loader that
     delivers collectively itself, is returned as it is.
 
     ``mesh``: TorchTitan's data-loading mesh (``ParallelDims.get_optional_mesh(["pp", "batch", "cp",
-    "tp"], include_singleton_axes=True)``), for a loader built outside TorchTitan's Trainer; under
-    the Trainer leave it out (``TitanTrainer.init_distributed()`` hands it over).
+    "tp"], include_singleton_axes=True)``), for a loader built outside TorchTitan's Trainer, and
+    ``stage_style`` the stage style of its pipeline schedule (``"v"`` for ``ZBVZeroBubble`` and
+    ``DualPipeV``: :func:`~collective_loader.integrations.titan.titan_stage_style`); under the
+    Trainer leave both out (``TitanTrainer.init_distributed()`` hands them over).
 
     >>> from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     >>> wrapped = wrap_dataloader(HuggingFaceTextDataLoader.Config(dataset="c4_test"))
@@ -273,13 +286,17 @@ def wrap_dataloader(config: BaseDataLoader.Config, *, mesh: DeviceMesh | None = 
     """
     if not isinstance(config, NeedsMesh):
         config = _wrapped_class(type(config))(**_init_fields(config))
-    return config if mesh is None else with_mesh(config, mesh)
+    return config if mesh is None else with_mesh(config, mesh, stage_style)
 
 
-def with_mesh(config: BaseDataLoader.Config, mesh: DeviceMesh) -> BaseDataLoader.Config:
-    """Hand ``mesh``, TorchTitan's data-loading mesh, to a dataloader config that needs it (one
-    from :func:`wrap_dataloader`, a ``TitanStreamingDataLoader.Config``); returns ``config``,
-    changed in place. ``TitanTrainer.init_distributed()`` does this under TorchTitan's Trainer.
+def with_mesh(
+    config: BaseDataLoader.Config, mesh: DeviceMesh, stage_style: StageStyle = "loop"
+) -> BaseDataLoader.Config:
+    """Hand ``mesh``, TorchTitan's data-loading mesh, and ``stage_style``, the stage style of the
+    pipeline schedule (:func:`~collective_loader.integrations.titan.titan_stage_style`), to a
+    dataloader config that needs them (one from :func:`wrap_dataloader`, a
+    ``TitanStreamingDataLoader.Config``); returns ``config``, changed in place.
+    ``TitanTrainer.init_distributed()`` does this under TorchTitan's Trainer.
 
     >>> from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     >>> with_mesh(HuggingFaceTextDataLoader.Config(), mesh=None)
@@ -290,6 +307,7 @@ def with_mesh(config: BaseDataLoader.Config, mesh: DeviceMesh) -> BaseDataLoader
     if not isinstance(config, NeedsMesh):
         raise TypeError(f"{type(config).__qualname__} takes no mesh: wrap it first, wrap_dataloader(config, mesh=mesh)")
     config._mesh = mesh  # type: ignore[misc]  # a field of each config dataclass: no slot comes from a marker
+    config._stage_style = stage_style  # type: ignore[misc]
     return config
 
 

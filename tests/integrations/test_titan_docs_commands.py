@@ -13,11 +13,13 @@ every flag as shown, in a fresh directory holding the local files the flags name
   the same page whose second line starts with ``# M.py``.
 
 It trains when it exits 0 with a finite loss logged at every step up to its ``--training.steps``
-(which the command must give, to end) on TorchTitan's metrics rank, the last below the first. A
+(which the command must give, to end) on the rank that computes it (the first rank of the last
+stage: of pp rank 0 under a V schedule, ``titan_run.loss_rank``), the last below the first. A
 command that cannot run here (another launcher, an absolute path, no ``--training.steps``) fails,
 naming its place. A command shown twice (under both launchers) runs once. The commands on
 ``collective_loader.integrations.titan_configs`` run by default (about a minute each on 2 cores, most
-of it starting 4 ranks), the others are ``slow``. Each run has a timeout and is killed with every
+of it starting 4 ranks), the others, and those with a V schedule (which test_titan_trainer's
+default ZBVZeroBubble run covers), are ``slow``. Each run has a timeout and is killed with every
 rank it started.
 """
 
@@ -34,9 +36,12 @@ import pytest
 import titan_run
 import titan_text
 
+from collective_loader.integrations.titan import titan_stage_style
+
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHERS = ("torchtitan.train", "collective_loader.integrations.titan_cpu")
 STOCK_MODULE = "collective_loader.integrations.titan_configs"
+SCHEDULE = "--parallelism.pipeline_parallel_schedule"
 RUN_TIMEOUT = 480.0  # seconds for one run: 4 ranks start in ~50 s on 2 loaded cores, then a few s per step
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # TorchTitan colours its metrics line unless told not to
 
@@ -61,6 +66,21 @@ class Command:
     @property
     def module(self) -> str:
         return self.flag("--module") or ""
+
+    @property
+    def pp(self) -> int:
+        return int(self.flag("--parallelism.pipeline_parallel_degree") or 1)
+
+    @property
+    def v_shaped(self) -> bool:
+        """Whether its pipeline schedule places the stages in a V (the loss on pp rank 0)."""
+        schedule = self.flag(SCHEDULE)
+        return schedule is not None and titan_stage_style(schedule, self.pp) == "v"
+
+    @property
+    def loss_rank(self) -> int:
+        """The rank that logs the training loss (the first of the last stage's; 0 under a V schedule)."""
+        return titan_run.loss_rank(self.ranks, self.pp, self.flag(SCHEDULE))
 
     def other_flags(self) -> list[str]:
         """The flags but ``--module`` and ``--config`` (which ``titan_run.torchrun`` takes apart)."""
@@ -180,7 +200,7 @@ def _params() -> list:
         if isinstance(command, str):
             params.append(pytest.param(command, id=command.split(": ", 1)[0]))
             continue
-        marks = [] if command.module == STOCK_MODULE else [pytest.mark.slow]
+        marks = [] if command.module == STOCK_MODULE and not command.v_shaped else [pytest.mark.slow]
         params.append(pytest.param(command, id=command.where, marks=marks))
     return params
 
@@ -196,9 +216,8 @@ def test_shown_titan_command_trains(command: Command | str, tmp_path: Path) -> N
     titan_run.torchrun(
         command.ranks, command.module, config, command.other_flags(), out, RUN_TIMEOUT, cwd=str(tmp_path)
     )
-    pp = int(command.flag("--parallelism.pipeline_parallel_degree") or 1)
     steps = int(command.flag("--training.steps") or 0)
-    logged = losses(f"{out}.log", command.ranks - command.ranks // pp)  # TorchTitan's metrics rank
+    logged = losses(f"{out}.log", command.loss_rank)
     assert sorted(logged) == list(range(1, steps + 1)), f"{command.where}: steps logged {sorted(logged)}"
     assert all(math.isfinite(v) for v in logged.values()), logged
     assert logged[steps] < logged[1], f"{command.where}: the loss did not fall: {logged}"

@@ -114,8 +114,37 @@ def _torchrun(
     return time.perf_counter() - start, proc.returncode, f"{' '.join(cmd)}\n{text}"
 
 
+def flag(flags: list[str] | tuple[str, ...], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in ``flags`` (the last one given), or None."""
+    value = None
+    for i, word in enumerate(flags):
+        if word == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif word.startswith(name + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def loss_rank(ranks: int, pp: int, schedule: str | None = None) -> int:
+    """The rank whose log has the training loss: the first rank of the pp rank that computes it,
+    the last stage's. That is pp rank ``pp - 1`` (rank ``ranks - ranks // pp``: TorchTitan numbers
+    the ranks pp outermost), or pp rank 0 (rank 0) under a V schedule, ``schedule`` being
+    ``--parallelism.pipeline_parallel_schedule`` (None: llama3_debugmodel's Interleaved1F1B).
+    TorchTitan's own metrics rank is rank 0 for ZBVZeroBubble only: for DualPipeV it logs from
+    pp rank ``pp - 1``, whose loss is ``-1`` per replica.
+
+    >>> loss_rank(4, 2), loss_rank(4, 2, "ZBVZeroBubble"), loss_rank(4, 2, "DualPipeV"), loss_rank(2, 1)
+    (2, 0, 0, 0)
+    """
+    from collective_loader.integrations.titan import titan_stage_style
+
+    if schedule is not None and titan_stage_style(schedule, pp) == "v":
+        return 0
+    return ranks - ranks // pp
+
+
 def losses(out: str, rank: int, pattern: re.Pattern = LOSS) -> dict[int, float]:
-    """Step -> loss that ``rank`` logged in ``<out>.log`` (TorchTitan's metrics rank: the first
-    rank of the last stage)."""
+    """Step -> loss that ``rank`` logged in ``<out>.log`` (every rank logs its own; the loss is on
+    :func:`loss_rank`'s)."""
     with open(f"{out}.log") as log:
         return {int(step): float(loss) for r, step, loss in pattern.findall(log.read()) if int(r) == rank}
