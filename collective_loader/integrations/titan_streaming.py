@@ -23,6 +23,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from collective_loader.integrations.titan import DATA_MESH, TitanDataLoader
 from collective_loader.integrations.titan_batches import PACKED_KEYS, check_columns, titan_collate, titan_inputs
 from collective_loader.integrations.titan_wrap import NeedsMesh
+from collective_loader.plan.mesh import StageStyle
 from collective_loader.streaming import StreamingSource
 from collective_loader.streaming.streams import PackedStream, SampleStream
 from collective_loader.text import Balance, Packing, TextColumn, TokenColumn
@@ -120,7 +121,7 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
         _mesh: Annotated[DeviceMesh | None, tyro.conf.Suppress] = None
         """Set by ``TitanTrainer.init_distributed()`` (:func:`~.titan_wrap.with_mesh`); not a command-line field."""
 
-        _stage_style: Annotated[str, tyro.conf.Suppress] = "loop"
+        _stage_style: Annotated[StageStyle, tyro.conf.Suppress] = "loop"
         """The pipeline schedule's stage style (``"v"`` for ZBVZeroBubble and DualPipeV), set with ``_mesh``."""
 
     def __init__(
