@@ -5,13 +5,16 @@
 * :mod:`~collective_loader.streaming.streams`: what it builds on a leader, a
   :class:`~collective_loader.Source` of one of three kinds (:class:`SampleStream`,
   :class:`PackedStream`, :class:`BalancedStream`), each with its own resumable state;
+* :mod:`~collective_loader.streaming.mixture`: :class:`MixtureSource`, several packing sources
+  mixed on a schedule (its leaders' :class:`MixtureStream`);
 * :mod:`~collective_loader.streaming.leaders`: the environment and barriers streaming sees there;
 * :mod:`~collective_loader.streaming.dataset`: a ``StreamingDataset`` that raises a failed
   download instead of ending the epoch early;
 * :mod:`~collective_loader.streaming.cleanup`: shared memory and lock files, released and removed.
 """
 
+from collective_loader.streaming.mixture import MixtureSource, MixtureStream
 from collective_loader.streaming.source import StreamingSource
 from collective_loader.streaming.streams import BalancedStream, PackedStream, SampleStream
 
-__all__ = ["BalancedStream", "PackedStream", "SampleStream", "StreamingSource"]
+__all__ = ["BalancedStream", "MixtureSource", "MixtureStream", "PackedStream", "SampleStream", "StreamingSource"]

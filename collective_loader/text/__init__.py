@@ -9,23 +9,29 @@
   data-parallel replicas by attention cost;
 * :mod:`~collective_loader.text.rows`: :class:`PackedRows`, a packing leader's epoch and its cursor;
 * :mod:`~collective_loader.text.resume`: the hand-over that makes a resume exact;
-* :mod:`~collective_loader.text.collate`: :func:`lm_collate` for rows written whole.
+* :mod:`~collective_loader.text.collate`: :func:`lm_collate` for rows written whole;
+* :mod:`~collective_loader.text.mixture`: a mixture's :class:`MixtureSchedule` (its :class:`Phase` list) and
+  the :class:`~collective_loader.text.mixture.RowAllocator` that names each packed row's source.
 """
 
 from collective_loader.text.balance import Balance
 from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import TextColumn, TokenColumn
+from collective_loader.text.mixture import MixtureSchedule, Phase, mixture_schedule_from_file
 from collective_loader.text.packing import BOUNDARIES, IGNORE_INDEX, Packing
 from collective_loader.text.tokenizer import TextEncoder, load_tokenizer
 
 __all__ = [
     "BOUNDARIES",
-    "IGNORE_INDEX",
     "Balance",
+    "IGNORE_INDEX",
+    "MixtureSchedule",
     "Packing",
+    "Phase",
     "TextColumn",
     "TextEncoder",
     "TokenColumn",
     "lm_collate",
     "load_tokenizer",
+    "mixture_schedule_from_file",
 ]

@@ -1,6 +1,6 @@
 """Data mixtures on a schedule: which source each packed row of a step comes from.
 
-A :class:`Schedule` gives each source a weight as a function of training *progress*, counted in
+A :class:`MixtureSchedule` gives each source a weight as a function of training *progress*, counted in
 real tokens trained over every replica (``unit="tokens"``) or in global steps (``"steps"``). It is
 a tuple of :class:`Phase`\\ s: from its ``start`` a phase holds its weights (piecewise constant),
 reached from the previous phase's over ``ramp`` units (linear; 0: a step change). A source absent
@@ -59,7 +59,7 @@ cut into steps: ``allocate(p, 8)`` twice gives ``allocate(p, 4)`` four times. Wh
 change, a step's rows take the weights at the step's start progress, so a ramp is sampled at
 each step's start.
 
->>> schedule = Schedule((Phase(0, {"web": 0.75, "code": 0.25}), Phase(1000, {"web": 0.5, "math": 0.5}, ramp=100)))
+>>> schedule = MixtureSchedule((Phase(0, {"web": 0.75, "code": 0.25}), Phase(1000, {"web": 0.5, "math": 0.5}, ramp=100)))
 >>> schedule.sources, schedule.weights_at(1050)
 (('code', 'math', 'web'), {'code': 0.125, 'math': 0.25, 'web': 0.625})
 >>> rows = RowAllocator(schedule)
@@ -68,13 +68,13 @@ each step's start.
 >>> rows.allocate(progress=1100, rows=4)
 ['math', 'web', 'math', 'web']
 >>> state = rows.state_dict()
->>> edited = Schedule((Phase(0, {"web": 0.75, "code": 0.25}), Phase(1000, {"web": 0.25, "math": 0.75})))
+>>> edited = MixtureSchedule((Phase(0, {"web": 0.75, "code": 0.25}), Phase(1000, {"web": 0.25, "math": 0.75})))
 >>> for line in RowAllocator(edited).load_state_dict(state, allow_edit=True):
 ...     print(line)
 phase 1: start 1000, ramp 100, weights {math: 0.5, web: 0.5} -> start 1000, ramp 0, weights {math: 0.75, web: 0.25}
 weights at progress 1100 tokens: math 0.5 -> 0.75, web 0.5 -> 0.25
 
-The command line's form, JSON or TOML (:func:`schedule_from_file`, :func:`schedule_from_mapping`)::
+The command line's form, JSON or TOML (:func:`mixture_schedule_from_file`, :func:`mixture_schedule_from_mapping`)::
 
     unit = "tokens"           # or "steps"
     [[phase]]
@@ -86,7 +86,7 @@ The command line's form, JSON or TOML (:func:`schedule_from_file`, :func:`schedu
     weights = { web = 0.3, code = 0.2, math = 0.5 }
 
 or, for constant weights, ``weights = { web = 0.7, code = 0.3 }`` alone. Pure: no
-``torch.distributed``; the only I/O is :func:`schedule_from_file` reading its file.
+``torch.distributed``; the only I/O is :func:`mixture_schedule_from_file` reading its file.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def _phase_problem(start: Any, weights: Any, ramp: Any) -> str | None:
 
 @dataclass(frozen=True)
 class Phase:
-    """A part of a :class:`Schedule`: from ``start`` on, these weights.
+    """A part of a :class:`MixtureSchedule`: from ``start`` on, these weights.
 
     Args:
         start: where the phase begins, in the schedule's unit (tokens or steps of progress).
@@ -193,7 +193,7 @@ def _normalized(weights: Mapping[str, float]) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
-class Schedule:
+class MixtureSchedule:
     """Each source's weight over training progress: :class:`Phase`\\ s, the first at 0.
 
     Args:
@@ -201,7 +201,7 @@ class Schedule:
         unit: what progress counts: ``"tokens"``, real (non-padding) tokens trained over every
             replica, or ``"steps"``, global steps.
 
-    >>> Schedule.constant({"web": 3, "code": 1}).weights_at(123)
+    >>> MixtureSchedule.constant({"web": 3, "code": 1}).weights_at(123)
     {'code': 0.25, 'web': 0.75}
     """
 
@@ -211,33 +211,33 @@ class Schedule:
     def __post_init__(self) -> None:
         phases = tuple(self.phases) if isinstance(self.phases, (list, tuple)) else self.phases
         if not isinstance(phases, tuple) or not phases:
-            raise ValueError(f"Schedule: phases must be a non-empty tuple of Phase, got {self.phases!r}")
+            raise ValueError(f"MixtureSchedule: phases must be a non-empty tuple of Phase, got {self.phases!r}")
         for i, phase in enumerate(phases):
             if not isinstance(phase, Phase):
-                raise TypeError(f"Schedule: phase {i} must be a Phase, got {type(phase).__qualname__}")
+                raise TypeError(f"MixtureSchedule: phase {i} must be a Phase, got {type(phase).__qualname__}")
         object.__setattr__(self, "phases", phases)
         if self.unit not in UNITS:
-            raise ValueError(f"Schedule: unit must be 'tokens' or 'steps', got {self.unit!r}")
+            raise ValueError(f"MixtureSchedule: unit must be 'tokens' or 'steps', got {self.unit!r}")
         if phases[0].start != 0:
-            raise ValueError(f"Schedule: phase 0: start must be 0, got {phases[0].start:g}")
+            raise ValueError(f"MixtureSchedule: phase 0: start must be 0, got {phases[0].start:g}")
         if phases[0].ramp != 0:
             raise ValueError(
-                f"Schedule: phase 0: ramp must be 0 (there is no earlier phase to ramp from), got {phases[0].ramp:g}"
+                f"MixtureSchedule: phase 0: ramp must be 0 (there is no earlier phase to ramp from), got {phases[0].ramp:g}"
             )
         for i in range(1, len(phases)):
             before, phase = phases[i - 1], phases[i]
             if phase.start <= before.start:
                 raise ValueError(
-                    f"Schedule: phase {i}: start {phase.start:g} must be after phase {i - 1}'s start {before.start:g}"
+                    f"MixtureSchedule: phase {i}: start {phase.start:g} must be after phase {i - 1}'s start {before.start:g}"
                 )
             if before.ramp > phase.start - before.start:
                 raise ValueError(
-                    f"Schedule: phase {i - 1}: ramp {before.ramp:g} is longer than the phase "
+                    f"MixtureSchedule: phase {i - 1}: ramp {before.ramp:g} is longer than the phase "
                     f"({phase.start - before.start:g}: phase {i} starts at {phase.start:g})"
                 )
 
     @classmethod
-    def constant(cls, weights: Mapping[str, float], unit: Unit = "tokens") -> Schedule:
+    def constant(cls, weights: Mapping[str, float], unit: Unit = "tokens") -> MixtureSchedule:
         """One phase: these weights throughout."""
         return cls((Phase(0, weights),), unit)
 
@@ -259,7 +259,7 @@ class Schedule:
         return _normalized(mixed)
 
     def to_mapping(self) -> dict[str, Any]:
-        """The config form (:func:`schedule_from_mapping` reads it back to an equal schedule)."""
+        """The config form (:func:`mixture_schedule_from_mapping` reads it back to an equal schedule)."""
         phases = [{"start": p.start, "ramp": p.ramp, "weights": dict(p.weights)} for p in self.phases]
         return {"unit": self.unit, "phase": phases}
 
@@ -277,7 +277,7 @@ def _progress(progress: Any) -> float:
 class RowAllocator:
     """Which source each of a step's rows comes from, the same on every leader (see the module).
 
-    >>> rows = RowAllocator(Schedule.constant({"a": 0.5, "b": 0.25, "c": 0.25}))
+    >>> rows = RowAllocator(MixtureSchedule.constant({"a": 0.5, "b": 0.25, "c": 0.25}))
     >>> rows.allocate(0, 4), rows.allocate(4, 4), rows.allocated
     (['a', 'b', 'c', 'a'], ['a', 'b', 'c', 'a'], {'a': 4, 'b': 2, 'c': 2})
     >>> rows.exclude("a")
@@ -285,9 +285,9 @@ class RowAllocator:
     (['b', 'c', 'b', 'c'], {'b': 0.5, 'c': 0.5})
     """
 
-    def __init__(self, schedule: Schedule) -> None:
-        if not isinstance(schedule, Schedule):
-            raise TypeError(f"RowAllocator(schedule=...) must be a Schedule, got {type(schedule).__qualname__}")
+    def __init__(self, schedule: MixtureSchedule) -> None:
+        if not isinstance(schedule, MixtureSchedule):
+            raise TypeError(f"RowAllocator(schedule=...) must be a MixtureSchedule, got {type(schedule).__qualname__}")
         self._schedule = schedule
         self._allocated: dict[str, int] = dict.fromkeys(schedule.sources, 0)
         self._deficit: dict[str, float] = dict.fromkeys(schedule.sources, 0.0)
@@ -295,7 +295,7 @@ class RowAllocator:
         self._progress = 0.0
 
     @property
-    def schedule(self) -> Schedule:
+    def schedule(self) -> MixtureSchedule:
         return self._schedule
 
     @property
@@ -384,7 +384,7 @@ class RowAllocator:
     def load_state_dict(
         self,
         state: Mapping[str, Any],
-        schedule: Schedule | None = None,
+        schedule: MixtureSchedule | None = None,
         *,
         allow_edit: bool = False,
         progress: float | None = None,
@@ -398,9 +398,9 @@ class RowAllocator:
         progress, the last step's start); a change is refused unless ``allow_edit``.
         """
         new = self._schedule if schedule is None else schedule
-        if not isinstance(new, Schedule):
+        if not isinstance(new, MixtureSchedule):
             raise TypeError(
-                f"RowAllocator.load_state_dict(schedule=...) must be a Schedule, got {type(new).__qualname__}"
+                f"RowAllocator.load_state_dict(schedule=...) must be a MixtureSchedule, got {type(new).__qualname__}"
             )
         saved, last, allocated, deficit, excluded = _read_state(state)
         at = last if progress is None else _progress(progress)
@@ -420,7 +420,7 @@ class RowAllocator:
         return changes
 
 
-def _read_state(state: Any) -> tuple[Schedule, float, dict[str, int], dict[str, float], set[str]]:
+def _read_state(state: Any) -> tuple[MixtureSchedule, float, dict[str, int], dict[str, float], set[str]]:
     def bad(what: str) -> ValueError:
         return ValueError(f"mixture state: {what}")
 
@@ -432,7 +432,7 @@ def _read_state(state: Any) -> tuple[Schedule, float, dict[str, int], dict[str, 
     if state["version"] != STATE_VERSION:
         raise bad(f"version {state['version']!r}, this library reads version {STATE_VERSION}")
     try:
-        saved = schedule_from_mapping(json.loads(state["schedule"]))
+        saved = mixture_schedule_from_mapping(json.loads(state["schedule"]))
     except (TypeError, ValueError) as e:
         raise bad(f"schedule: {e}") from None
     try:
@@ -461,7 +461,7 @@ def _read_state(state: Any) -> tuple[Schedule, float, dict[str, int], dict[str, 
 
 
 def _changes(
-    old: Schedule, new: Schedule, progress: float, allocated: Mapping[str, int], excluded: set[str]
+    old: MixtureSchedule, new: MixtureSchedule, progress: float, allocated: Mapping[str, int], excluded: set[str]
 ) -> list[str]:
     """What an edit of the schedule changes, one line each, for the log."""
     if old.fingerprint() == new.fingerprint():
@@ -480,7 +480,7 @@ def _changes(
     for name in sorted(set(old.sources) - set(new.sources)):
         lines.append(f"source dropped: {name} (its counters stay in the state: {allocated.get(name, 0)} rows)")
 
-    def now(schedule: Schedule) -> dict[str, float]:
+    def now(schedule: MixtureSchedule) -> dict[str, float]:
         return _normalized({k: v for k, v in schedule.weights_at(progress).items() if k not in excluded})
 
     before, after = now(old), now(new)
@@ -510,8 +510,8 @@ def _unknown(keys: Any, known: tuple[str, ...], where: str) -> None:
         )
 
 
-def schedule_from_mapping(data: Mapping[str, Any], where: str = "mixture schedule") -> Schedule:
-    """A :class:`Schedule` from its config form (parsed JSON or TOML)::
+def mixture_schedule_from_mapping(data: Mapping[str, Any], where: str = "mixture schedule") -> MixtureSchedule:
+    """A :class:`MixtureSchedule` from its config form (parsed JSON or TOML)::
 
         {"unit": "tokens", "phase": [{"start": 0, "weights": {"web": 0.7, "code": 0.3}},
                                      {"start": 9e6, "ramp": 1e6, "weights": {"web": 0.3, "math": 0.7}}]}
@@ -519,7 +519,7 @@ def schedule_from_mapping(data: Mapping[str, Any], where: str = "mixture schedul
     or ``{"weights": {...}}`` for constant weights (``unit`` optional: ``"tokens"``). Unknown
     keys are refused, naming them; ``where`` prefixes every error (a file's path).
 
-    >>> schedule_from_mapping({"weights": {"web": 1}}) == Schedule.constant({"web": 1})
+    >>> mixture_schedule_from_mapping({"weights": {"web": 1}}) == MixtureSchedule.constant({"web": 1})
     True
     """
     if not isinstance(data, Mapping):
@@ -551,15 +551,17 @@ def schedule_from_mapping(data: Mapping[str, Any], where: str = "mixture schedul
             raise ValueError(f"{where}: phase {i}: {problem}")
         phases.append(Phase(raw["start"], raw["weights"], raw.get("ramp", 0.0)))
     try:
-        return Schedule(tuple(phases), unit)
+        return MixtureSchedule(tuple(phases), unit)
     except ValueError as e:
-        raise ValueError(f"{where}: {str(e).removeprefix('Schedule: ')}") from None
+        raise ValueError(f"{where}: {str(e).removeprefix('MixtureSchedule: ')}") from None
 
 
-def schedule_from_text(text: str, format: Literal["json", "toml"], where: str = "mixture schedule") -> Schedule:
-    """A :class:`Schedule` from JSON or TOML text (see :func:`schedule_from_mapping`).
+def mixture_schedule_from_text(
+    text: str, format: Literal["json", "toml"], where: str = "mixture schedule"
+) -> MixtureSchedule:
+    """A :class:`MixtureSchedule` from JSON or TOML text (see :func:`mixture_schedule_from_mapping`).
 
-    >>> schedule_from_text('unit = "steps"\\nweights = { web = 0.5, code = 0.5 }', "toml").unit
+    >>> mixture_schedule_from_text('unit = "steps"\\nweights = { web = 0.5, code = 0.5 }', "toml").unit
     'steps'
     """
     if format == "json":
@@ -581,11 +583,11 @@ def schedule_from_text(text: str, format: Literal["json", "toml"], where: str = 
             raise ValueError(f"{where}: not valid TOML: {e}") from None
     else:
         raise ValueError(f"{where}: format must be 'json' or 'toml', got {format!r}")
-    return schedule_from_mapping(data, where)
+    return mixture_schedule_from_mapping(data, where)
 
 
-def schedule_from_file(path: str | Path) -> Schedule:
-    """A :class:`Schedule` from a ``.json`` or ``.toml`` file; errors name the file."""
+def mixture_schedule_from_file(path: str | Path) -> MixtureSchedule:
+    """A :class:`MixtureSchedule` from a ``.json`` or ``.toml`` file; errors name the file."""
     path = Path(path)
     formats: dict[str, Literal["json", "toml"]] = {".json": "json", ".toml": "toml"}
     format = formats.get(path.suffix.lower())
@@ -595,4 +597,4 @@ def schedule_from_file(path: str | Path) -> Schedule:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"{path}: cannot read the mixture schedule: {e.strerror or e}") from None
-    return schedule_from_text(text, format, where=str(path))
+    return mixture_schedule_from_text(text, format, where=str(path))

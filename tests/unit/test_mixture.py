@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collective_loader.text.mixture import (
+    MixtureSchedule,
     Phase,
     RowAllocator,
-    Schedule,
-    schedule_from_file,
-    schedule_from_mapping,
-    schedule_from_text,
+    mixture_schedule_from_file,
+    mixture_schedule_from_mapping,
+    mixture_schedule_from_text,
 )
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -57,7 +57,7 @@ def deficits(allocator: RowAllocator) -> dict[str, float]:
 def test_every_row_and_every_window_of_8_steps_or_more_is_within_the_bound(weights, rows, steps):
     """After every row each source is within ``1 - delta`` rows of its target; so each window of
     ``W >= 8`` steps (any ``W``, in fact) holds within ``2 - 2 delta < 2`` rows of ``w * W * r``."""
-    allocator = RowAllocator(Schedule.constant(weights))
+    allocator = RowAllocator(MixtureSchedule.constant(weights))
     w = allocator.weights_at(0)
     n, margin = len(w), delta(len(w))
     sequence = []
@@ -99,7 +99,7 @@ def test_largest_deficit_first_can_owe_more_than_a_row_and_ours_does_not():
     """Why the allocator uses Tijdeman's rule and not the plain largest deficit first."""
     raw = {"a": 12, "b": 12, "c": 3, "d": 1, "e": 1}
     assert largest_deficit_first([Fraction(v, 29) for v in raw.values()], 29) == Fraction(30, 29)
-    allocator = RowAllocator(Schedule.constant(raw))
+    allocator = RowAllocator(MixtureSchedule.constant(raw))
     worst = 0.0
     for step in range(29 * 4):
         allocator.allocate(step, 1)
@@ -108,7 +108,7 @@ def test_largest_deficit_first_can_owe_more_than_a_row_and_ours_does_not():
 
 
 def test_two_sources_stay_within_half_a_row():
-    allocator = RowAllocator(Schedule.constant({"web": 0.6, "code": 0.4}))
+    allocator = RowAllocator(MixtureSchedule.constant({"web": 0.6, "code": 0.4}))
     assert allocator.allocate(0, 5) == ["web", "code", "web", "code", "web"]
     for step in range(1, 200):
         allocator.allocate(step, 3)
@@ -117,7 +117,7 @@ def test_two_sources_stay_within_half_a_row():
 
 # --- the schedule -------------------------------------------------------------------------------
 
-THREE = Schedule(
+THREE = MixtureSchedule(
     (
         Phase(0, {"web": 0.7, "code": 0.3}),
         Phase(9e6, {"web": 0.3, "code": 0.2, "math": 0.5}, ramp=1e6),
@@ -147,17 +147,17 @@ def test_weights_at_phase_boundaries_and_inside_a_ramp():
 
 
 def test_weights_are_relative_and_a_constant_schedule_is_one_phase():
-    assert Schedule.constant({"a": 3, "b": 1, "c": 0}).weights_at(5) == {"a": 0.75, "b": 0.25}
-    assert Schedule.constant({"a": 1}, unit="steps") == Schedule((Phase(0, {"a": 1}),), "steps")
+    assert MixtureSchedule.constant({"a": 3, "b": 1, "c": 0}).weights_at(5) == {"a": 0.75, "b": 0.25}
+    assert MixtureSchedule.constant({"a": 1}, unit="steps") == MixtureSchedule((Phase(0, {"a": 1}),), "steps")
     phase = Phase(0, {"b": 1, "a": 2})
     assert list(phase.weights) == ["a", "b"] and hash(phase) == hash(Phase(0.0, {"a": 2.0, "b": 1.0}))
     with pytest.raises(TypeError):
         phase.weights["a"] = 5  # type: ignore[index]
-    assert Schedule([Phase(0, {"a": 1})]).phases == (Phase(0, {"a": 1}),)  # a list is taken as a tuple
+    assert MixtureSchedule([Phase(0, {"a": 1})]).phases == (Phase(0, {"a": 1}),)  # a list is taken as a tuple
 
 
 def test_sources_start_and_stop_at_phases():
-    schedule = Schedule(
+    schedule = MixtureSchedule(
         (Phase(0, {"a": 1, "b": 1}), Phase(10, {"a": 1, "b": 1, "c": 2}), Phase(20, {"a": 1, "c": 0})), unit="steps"
     )
     allocator = RowAllocator(schedule)
@@ -187,7 +187,7 @@ def test_changing_weights_keep_the_lower_bound_and_the_books_balanced(phases, ro
     for length, ramp, weights in phases:
         start += 12
         built.append(Phase(start, dict(zip(names, weights)), ramp=min(ramp, length)))
-    allocator = RowAllocator(Schedule(tuple(built), unit="steps"))
+    allocator = RowAllocator(MixtureSchedule(tuple(built), unit="steps"))
     for step in range(start + 13):
         for _ in range(rows):
             allocator.allocate(step, 1)
@@ -200,7 +200,7 @@ def test_changing_weights_keep_the_lower_bound_and_the_books_balanced(phases, ro
 
 
 def test_an_excluded_source_stops_and_the_others_share_its_weight():
-    allocator = RowAllocator(Schedule.constant({"a": 0.5, "b": 0.3, "c": 0.2}))
+    allocator = RowAllocator(MixtureSchedule.constant({"a": 0.5, "b": 0.3, "c": 0.2}))
     for step in range(5):
         allocator.allocate(step, 10)
     allocator.exclude("c")
@@ -221,14 +221,14 @@ def test_an_excluded_source_stops_and_the_others_share_its_weight():
 
 
 def test_allocate_refuses_progress_going_back_and_bad_rows():
-    allocator = RowAllocator(Schedule.constant({"a": 1}))
+    allocator = RowAllocator(MixtureSchedule.constant({"a": 1}))
     assert allocator.allocate(5, 0) == [] and allocator.progress == 5
     with pytest.raises(ValueError, match="progress went back from 5 to 4"):
         allocator.allocate(4, 1)
     for rows in (-1, True, 2.0):
         with pytest.raises(ValueError, match="rows must be an int >= 0"):
             allocator.allocate(6, rows)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="must be a Schedule"):
+    with pytest.raises(TypeError, match="must be a MixtureSchedule"):
         RowAllocator({"a": 1})  # type: ignore[arg-type]
 
 
@@ -244,7 +244,7 @@ def run(allocator: RowAllocator, steps: range, rows: int, per_step: float = 1.0)
 def test_resume_equals_an_uninterrupted_run(split, rows):
     """Allocate N steps = allocate k, save (through JSON: the state is plain values), load into a
     new allocator, allocate N - k: the same rows and the same final state, to the bit."""
-    schedule = Schedule(
+    schedule = MixtureSchedule(
         (Phase(0, {"a": 0.7, "b": 0.2, "c": 0.1}), Phase(13, {"a": 0.2, "b": 0.3, "d": 0.5}, ramp=9)), unit="steps"
     )
     whole = RowAllocator(schedule)
@@ -264,7 +264,10 @@ def test_the_state_is_plain_values_and_names_no_dp():
     allocator.exclude("code")
     state = allocator.state_dict()
     assert set(state) == {"version", "schedule", "progress", "sources"}
-    assert state["schedule"] == THREE.fingerprint() and schedule_from_mapping(json.loads(state["schedule"])) == THREE
+    assert (
+        state["schedule"] == THREE.fingerprint()
+        and mixture_schedule_from_mapping(json.loads(state["schedule"])) == THREE
+    )
     assert state["sources"] == {
         "code": {"allocated": 1, "deficit": pytest.approx(-0.1), "excluded": True},
         "math": {"allocated": 0, "deficit": 0.0, "excluded": False},
@@ -273,11 +276,13 @@ def test_the_state_is_plain_values_and_names_no_dp():
 
 
 def test_an_edit_is_refused_unless_allowed_naming_what_changed():
-    old = Schedule.constant({"web": 0.5, "code": 0.5}, unit="steps")
+    old = MixtureSchedule.constant({"web": 0.5, "code": 0.5}, unit="steps")
     allocator = RowAllocator(old)
     run(allocator, range(20), 8)
     state = allocator.state_dict()
-    new = Schedule((Phase(0, {"web": 0.5, "code": 0.5}), Phase(20, {"web": 0.6, "code": 0.1, "math": 0.3})), "steps")
+    new = MixtureSchedule(
+        (Phase(0, {"web": 0.5, "code": 0.5}), Phase(20, {"web": 0.6, "code": 0.1, "math": 0.3})), "steps"
+    )
     with pytest.raises(ValueError, match="allow_edit=True") as refused:
         RowAllocator(new).load_state_dict(state)
     assert "source added: math" in str(refused.value)
@@ -307,10 +312,10 @@ def test_an_edit_never_makes_a_source_catch_up_for_the_past():
     """Half code for 20 steps, then the whole schedule edited to 10% code: from then on code gets
     10% of the rows, at once. Recomputing its target from the edited schedule would owe it
     -64 rows: no code at all for 80 steps."""
-    allocator = RowAllocator(Schedule.constant({"web": 0.5, "code": 0.5}, unit="steps"))
+    allocator = RowAllocator(MixtureSchedule.constant({"web": 0.5, "code": 0.5}, unit="steps"))
     run(allocator, range(20), 8)
     state = allocator.state_dict()
-    resumed = RowAllocator(Schedule.constant({"web": 0.9, "code": 0.1}, unit="steps"))
+    resumed = RowAllocator(MixtureSchedule.constant({"web": 0.9, "code": 0.1}, unit="steps"))
     assert resumed.load_state_dict(state, allow_edit=True, progress=20) == [
         "phase 0: start 0, ramp 0, weights {code: 0.5, web: 0.5} -> start 0, ramp 0, weights {code: 0.1, web: 0.9}",
         "weights at progress 20 steps: code 0.5 -> 0.1, web 0.5 -> 0.9",
@@ -321,11 +326,11 @@ def test_an_edit_never_makes_a_source_catch_up_for_the_past():
 
 
 def test_a_dropped_source_keeps_its_counters_and_continues_them_when_added_again():
-    three = Schedule.constant({"web": 0.5, "code": 0.3, "books": 0.2})
+    three = MixtureSchedule.constant({"web": 0.5, "code": 0.3, "books": 0.2})
     allocator = RowAllocator(three)
     run(allocator, range(10), 10)
     books = allocator.allocated["books"], allocator.targets["books"]
-    two = RowAllocator(Schedule.constant({"web": 0.6, "code": 0.4}))
+    two = RowAllocator(MixtureSchedule.constant({"web": 0.6, "code": 0.4}))
     assert two.load_state_dict(allocator.state_dict(), allow_edit=True) == [
         "phase 0: start 0, ramp 0, weights {books: 0.2, code: 0.3, web: 0.5} -> start 0, ramp 0, weights {code: 0.4, web: 0.6}",
         "source dropped: books (its counters stay in the state: 20 rows)",
@@ -371,7 +376,7 @@ def test_the_allocation_does_not_depend_on_the_dp_degree():
     and at constant weights the row sequence does not depend on how it is cut into steps, so a
     run resumed at another DP degree (rows per replica changed to keep the global batch)
     continues the very sequence an uninterrupted run makes."""
-    schedule = Schedule.constant({"web": 0.55, "code": 0.3, "math": 0.15})
+    schedule = MixtureSchedule.constant({"web": 0.55, "code": 0.3, "math": 0.15})
     leaders = [RowAllocator(schedule) for _ in range(4)]
     assert len({tuple(a.allocate(0, 16)) for a in leaders}) == 1
     flat = [name for rows in run(RowAllocator(schedule), range(24), 8) for name in rows]
@@ -404,19 +409,21 @@ weights = { web = 1, math = 0 }
 
 def test_toml_and_json_files_read_to_the_schedule(tmp_path):
     (tmp_path / "mix.toml").write_text(TOML)
-    assert schedule_from_file(tmp_path / "mix.toml") == THREE
+    assert mixture_schedule_from_file(tmp_path / "mix.toml") == THREE
     (tmp_path / "mix.json").write_text(json.dumps(THREE.to_mapping()))
-    assert schedule_from_file(str(tmp_path / "mix.json")) == THREE
+    assert mixture_schedule_from_file(str(tmp_path / "mix.json")) == THREE
     (tmp_path / "constant.json").write_text('{"unit": "steps", "weights": {"web": 2, "code": 1}}')
-    assert schedule_from_file(tmp_path / "constant.json") == Schedule.constant({"web": 2, "code": 1}, unit="steps")
+    assert mixture_schedule_from_file(tmp_path / "constant.json") == MixtureSchedule.constant(
+        {"web": 2, "code": 1}, unit="steps"
+    )
 
 
 @given(weights=weight_maps, unit=st.sampled_from(["tokens", "steps"]))
 @settings(max_examples=30, deadline=None)
 def test_the_config_form_round_trips(weights, unit):
-    schedule = Schedule((Phase(0, weights), Phase(5, {"x": 1}, ramp=2.5)), unit)
-    assert schedule_from_mapping(json.loads(json.dumps(schedule.to_mapping()))) == schedule
-    assert schedule_from_text(json.dumps(schedule.to_mapping()), "json").fingerprint() == schedule.fingerprint()
+    schedule = MixtureSchedule((Phase(0, weights), Phase(5, {"x": 1}, ramp=2.5)), unit)
+    assert mixture_schedule_from_mapping(json.loads(json.dumps(schedule.to_mapping()))) == schedule
+    assert mixture_schedule_from_text(json.dumps(schedule.to_mapping()), "json").fingerprint() == schedule.fingerprint()
 
 
 @pytest.mark.parametrize(
@@ -461,7 +468,7 @@ def test_the_config_form_round_trips(weights, unit):
 )
 def test_a_bad_config_is_refused_naming_the_field(data, needle):
     with pytest.raises(ValueError, match=f"^mixture schedule: .*{needle}"):
-        schedule_from_mapping(data)
+        mixture_schedule_from_mapping(data)
 
 
 def test_the_dataclasses_refuse_bad_fields():
@@ -471,12 +478,12 @@ def test_the_dataclasses_refuse_bad_fields():
         Phase(0, {"web": 1}, ramp=float("nan"))
     with pytest.raises(ValueError, match="^Phase: weights: a source name must be a non-empty str"):
         Phase(0, {"": 1})
-    with pytest.raises(ValueError, match="^Schedule: phases must be a non-empty tuple"):
-        Schedule(())
-    with pytest.raises(TypeError, match="^Schedule: phase 1 must be a Phase"):
-        Schedule((Phase(0, {"a": 1}), {"start": 1}))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="^Schedule: phase 2: start 3 must be after phase 1's start 4"):
-        Schedule((Phase(0, {"a": 1}), Phase(4, {"a": 1}), Phase(3, {"a": 1})))
+    with pytest.raises(ValueError, match="^MixtureSchedule: phases must be a non-empty tuple"):
+        MixtureSchedule(())
+    with pytest.raises(TypeError, match="^MixtureSchedule: phase 1 must be a Phase"):
+        MixtureSchedule((Phase(0, {"a": 1}), {"start": 1}))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^MixtureSchedule: phase 2: start 3 must be after phase 1's start 4"):
+        MixtureSchedule((Phase(0, {"a": 1}), Phase(4, {"a": 1}), Phase(3, {"a": 1})))
 
 
 def test_bad_files_are_refused_naming_the_file(tmp_path):
@@ -489,8 +496,8 @@ def test_bad_files_are_refused_naming_the_file(tmp_path):
     for name, (text, needle) in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=f"^{tmp_path / name}: .*{needle}"):
-            schedule_from_file(tmp_path / name)
+            mixture_schedule_from_file(tmp_path / name)
     with pytest.raises(ValueError, match="cannot read the mixture schedule"):
-        schedule_from_file(tmp_path / "missing.toml")
+        mixture_schedule_from_file(tmp_path / "missing.toml")
     with pytest.raises(ValueError, match="format must be 'json' or 'toml'"):
-        schedule_from_text("{}", "yaml")  # type: ignore[arg-type]
+        mixture_schedule_from_text("{}", "yaml")  # type: ignore[arg-type]
