@@ -63,8 +63,10 @@ def world():
     w.close()
 
 
-def build(data: dict[str, str], schedule: MixtureSchedule) -> CollectiveLoader:
-    mesh = ranks.make_mesh(("dp",), (2,))
+def build(data: dict[str, str], schedule: MixtureSchedule, dp: int = 2) -> CollectiveLoader:
+    """dp replicas over the 2 ranks (at dp=1 the second rank is a tp peer of the leader), with the
+    same global batch: rows and documents per replica scale with 2 / dp."""
+    mesh = ranks.make_mesh(("dp", "tp"), (dp, 2 // dp))
     sources = {
         name: {"local": path, "shuffle": True, "shuffle_seed": 7, "num_canonical_nodes": 2}
         for name, path in data.items()
@@ -73,10 +75,10 @@ def build(data: dict[str, str], schedule: MixtureSchedule) -> CollectiveLoader:
         mesh,
         sources,
         schedule,
-        batch_size=ROWS,
+        batch_size=ROWS * 2 // dp,
         packing=Packing(SEQ_LEN, "pad", ("position_ids", "sequence_id")),
         layout=TokenColumn(dtype="uint16"),
-        documents_per_batch=DOCS_PER_BATCH,
+        documents_per_batch=DOCS_PER_BATCH * 2 // dp,
     )
     return CollectiveLoader(source, mesh, **KEYS)
 
@@ -164,3 +166,31 @@ def test_a_resume_under_an_edited_schedule_continues_every_source_and_repeats_no
     total = sum(after.values())
     for name, weight in (("extra", 0.5), ("long", 0.3), ("short", 0.2)):
         assert abs(after[name] - weight * total) <= 2 * 2, (name, after)
+
+
+def dp_change_run(data: dict[str, str], before: int, after: int) -> dict:
+    """``before`` steps at dp=2, a checkpoint, ``after`` steps resumed at dp=1 (what the leaders
+    trained; None on the other rank of the dp=1 run)."""
+    two = {k: v for k, v in data.items() if k != "extra"}
+    loader = build(two, HALF, dp=2)
+    first = [rows_of(b) for b in islice(loader, before)]
+    state = loader.state_dict()
+    loader.close()
+    loader = build(two, HALF, dp=1)
+    loader.load_state_dict(state)
+    second = [rows_of(b) for b in islice(loader, after)]
+    leader = loader.is_leader
+    loader.close()
+    return {"first": first, "second": second if leader else None}
+
+
+def test_a_resume_at_another_dp_degree_trains_no_token_twice_and_finishes_every_document_begun(world, data):
+    results = world.run(dp_change_run, data, 6, 30, timeout=240)
+    trained = Counter(t for r in results for rows in r["first"] for _, tokens in rows for t in tokens)
+    begun = {(source_of(t), (t - BASE[source_of(t)]) // STRIDE[source_of(t)]) for t in trained}
+    trained.update(t for r in results if r["second"] for rows in r["second"] for _, tokens in rows for t in tokens)
+    assert max(trained.values()) == 1  # across the resume, at another DP degree
+    for name, doc in begun:  # every document begun before the checkpoint is trained to its end after it
+        tokens = BASE[name] + doc * STRIDE[name] + np.arange(LENGTHS[name][doc])
+        missing = [int(t) for t in tokens if trained[int(t)] == 0]
+        assert not missing, (name, doc, len(missing))
