@@ -17,7 +17,7 @@
 from collective_loader.text.balance import Balance
 from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import TextColumn, TokenColumn
-from collective_loader.text.mixture import MixtureSchedule, Phase, mixture_schedule_from_file
+from collective_loader.text.mixture import MixtureSchedule, Phase, read_mixture
 from collective_loader.text.packing import BOUNDARIES, IGNORE_INDEX, Packing
 from collective_loader.text.tokenizer import TextEncoder, load_tokenizer
 
@@ -33,5 +33,5 @@ __all__ = [
     "TokenColumn",
     "lm_collate",
     "load_tokenizer",
-    "mixture_schedule_from_file",
+    "read_mixture",
 ]

@@ -74,7 +74,7 @@ each step's start.
 phase 1: start 1000, ramp 100, weights {math: 0.5, web: 0.5} -> start 1000, ramp 0, weights {math: 0.75, web: 0.25}
 weights at progress 1100 tokens: math 0.5 -> 0.75, web 0.5 -> 0.25
 
-The command line's form, JSON or TOML (:func:`mixture_schedule_from_file`, :func:`mixture_schedule_from_mapping`)::
+The command line's form, JSON or TOML (:func:`read_mixture`, with the sources; :func:`mixture_schedule_from_mapping`)::
 
     unit = "tokens"           # or "steps"
     [[phase]]
@@ -86,7 +86,7 @@ The command line's form, JSON or TOML (:func:`mixture_schedule_from_file`, :func
     weights = { web = 0.3, code = 0.2, math = 0.5 }
 
 or, for constant weights, ``weights = { web = 0.7, code = 0.3 }`` alone. Pure: no
-``torch.distributed``; the only I/O is :func:`mixture_schedule_from_file` reading its file.
+``torch.distributed``; the only I/O is :func:`read_mixture` reading its file.
 """
 
 from __future__ import annotations
@@ -556,20 +556,55 @@ def mixture_schedule_from_mapping(data: Mapping[str, Any], where: str = "mixture
         raise ValueError(f"{where}: {str(e).removeprefix('MixtureSchedule: ')}") from None
 
 
-def mixture_schedule_from_text(
-    text: str, format: Literal["json", "toml"], where: str = "mixture schedule"
-) -> MixtureSchedule:
-    """A :class:`MixtureSchedule` from JSON or TOML text (see :func:`mixture_schedule_from_mapping`).
+def read_mixture(path: str | Path) -> tuple[dict[str, dict[str, Any]], MixtureSchedule]:
+    """A mixture from a ``.json`` or ``.toml`` file: its sources and its schedule. Errors name the file.
 
-    >>> mixture_schedule_from_text('unit = "steps"\\nweights = { web = 0.5, code = 0.5 }', "toml").unit
-    'steps'
+    A ``sources`` table holds one table per source, that source's ``StreamingDataset`` arguments
+    (``local``, ``remote``, ``shuffle``, ...); beside it, the schedule's keys
+    (:func:`mixture_schedule_from_mapping`)::
+
+        unit = "tokens"
+        weights = { web = 0.7, code = 0.3 }
+
+        [sources.web]
+        local = "/data/web"
+        [sources.code]
+        remote = "s3://bucket/code"
+        local = "/cache/code"
+
+    Every source the schedule weighs needs a table.
     """
+    path = Path(path)
+    where = str(path)
+    formats: dict[str, Literal["json", "toml"]] = {".json": "json", ".toml": "toml"}
+    format = formats.get(path.suffix.lower())
+    if format is None:
+        raise ValueError(f"{where}: a mixture must be a .json or .toml file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read the mixture: {e.strerror or e}") from None
+    data = dict(_parse(text, format, where))
+    sources = data.pop("sources", None)
+    if not isinstance(sources, Mapping) or not sources:
+        raise ValueError(f"{where}: needs a sources table: one table per source, its StreamingDataset arguments")
+    bad = sorted(str(name) for name, table in sources.items() if not isinstance(table, Mapping))
+    if bad:
+        raise ValueError(f"{where}: sources {bad} must be tables of StreamingDataset arguments (local = ..., ...)")
+    schedule = mixture_schedule_from_mapping(data, where)
+    missing = sorted(set(schedule.sources) - set(sources))
+    if missing:
+        raise ValueError(f"{where}: the schedule weighs {missing}, which the sources table does not describe")
+    return {str(name): dict(table) for name, table in sources.items()}, schedule
+
+
+def _parse(text: str, format: Literal["json", "toml"], where: str) -> Mapping[str, Any]:
     if format == "json":
         try:
             data = json.loads(text)
         except ValueError as e:
             raise ValueError(f"{where}: not valid JSON: {e}") from None
-    elif format == "toml":
+    else:
         if sys.version_info >= (3, 11):
             import tomllib
         else:  # pragma: no cover - Python 3.10
@@ -581,20 +616,6 @@ def mixture_schedule_from_text(
             data = tomllib.loads(text)
         except ValueError as e:
             raise ValueError(f"{where}: not valid TOML: {e}") from None
-    else:
-        raise ValueError(f"{where}: format must be 'json' or 'toml', got {format!r}")
-    return mixture_schedule_from_mapping(data, where)
-
-
-def mixture_schedule_from_file(path: str | Path) -> MixtureSchedule:
-    """A :class:`MixtureSchedule` from a ``.json`` or ``.toml`` file; errors name the file."""
-    path = Path(path)
-    formats: dict[str, Literal["json", "toml"]] = {".json": "json", ".toml": "toml"}
-    format = formats.get(path.suffix.lower())
-    if format is None:
-        raise ValueError(f"{path}: a mixture schedule must be a .json or .toml file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read the mixture schedule: {e.strerror or e}") from None
-    return mixture_schedule_from_text(text, format, where=str(path))
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: must be a table (mapping), got {type(data).__qualname__}")
+    return data

@@ -22,9 +22,8 @@ from collective_loader.text.mixture import (
     MixtureSchedule,
     Phase,
     RowAllocator,
-    mixture_schedule_from_file,
     mixture_schedule_from_mapping,
-    mixture_schedule_from_text,
+    read_mixture,
 )
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -407,15 +406,26 @@ weights = { web = 1, math = 0 }
 """
 
 
-def test_toml_and_json_files_read_to_the_schedule(tmp_path):
-    (tmp_path / "mix.toml").write_text(TOML)
-    assert mixture_schedule_from_file(tmp_path / "mix.toml") == THREE
-    (tmp_path / "mix.json").write_text(json.dumps(THREE.to_mapping()))
-    assert mixture_schedule_from_file(str(tmp_path / "mix.json")) == THREE
-    (tmp_path / "constant.json").write_text('{"unit": "steps", "weights": {"web": 2, "code": 1}}')
-    assert mixture_schedule_from_file(tmp_path / "constant.json") == MixtureSchedule.constant(
-        {"web": 2, "code": 1}, unit="steps"
-    )
+SOURCES = {"web": {"local": "/data/web"}, "code": {"local": "/data/code", "shuffle": True}, "math": {"local": "/m"}}
+SOURCES_TOML = """
+[sources.web]
+local = "/data/web"
+[sources.code]
+local = "/data/code"
+shuffle = true
+[sources.math]
+local = "/m"
+"""
+
+
+def test_toml_and_json_files_read_to_the_sources_and_the_schedule(tmp_path):
+    (tmp_path / "mix.toml").write_text(TOML + SOURCES_TOML)
+    assert read_mixture(tmp_path / "mix.toml") == (SOURCES, THREE)
+    (tmp_path / "mix.json").write_text(json.dumps({**THREE.to_mapping(), "sources": SOURCES}))
+    assert read_mixture(str(tmp_path / "mix.json")) == (SOURCES, THREE)
+    constant = {"unit": "steps", "weights": {"web": 2, "code": 1}, "sources": SOURCES}
+    (tmp_path / "constant.json").write_text(json.dumps(constant))
+    assert read_mixture(tmp_path / "constant.json")[1] == MixtureSchedule.constant({"web": 2, "code": 1}, unit="steps")
 
 
 @given(weights=weight_maps, unit=st.sampled_from(["tokens", "steps"]))
@@ -423,7 +433,7 @@ def test_toml_and_json_files_read_to_the_schedule(tmp_path):
 def test_the_config_form_round_trips(weights, unit):
     schedule = MixtureSchedule((Phase(0, weights), Phase(5, {"x": 1}, ramp=2.5)), unit)
     assert mixture_schedule_from_mapping(json.loads(json.dumps(schedule.to_mapping()))) == schedule
-    assert mixture_schedule_from_text(json.dumps(schedule.to_mapping()), "json").fingerprint() == schedule.fingerprint()
+    assert mixture_schedule_from_mapping(schedule.to_mapping()).fingerprint() == schedule.fingerprint()
 
 
 @pytest.mark.parametrize(
@@ -487,17 +497,19 @@ def test_the_dataclasses_refuse_bad_fields():
 
 
 def test_bad_files_are_refused_naming_the_file(tmp_path):
+    a = "\n[sources.a]\nlocal = '/a'\n"
     cases = {
         "bad.json": ('{"weights": {"a": 1}', "not valid JSON"),
         "bad.toml": ("weights = {a = }", "not valid TOML"),
-        "unknown.toml": ("weight = { a = 1 }\n", "unknown key 'weight' \\(did you mean 'weights'\\?\\)"),
+        "unknown.toml": ("weight = { a = 1 }\n" + a, "unknown key 'weight' \\(did you mean 'weights'\\?\\)"),
         "mix.yaml": ("weights: {a: 1}", "must be a .json or .toml file"),
+        "nosources.toml": ("weights = { a = 1 }\n", "needs a sources table"),
+        "unsourced.toml": ("weights = { a = 1, b = 1 }\n" + a, "the schedule weighs \\['b'\\]"),
+        "flat.json": ('{"weights": {"a": 1}, "sources": {"a": "/a"}}', "must be tables"),
     }
     for name, (text, needle) in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=f"^{tmp_path / name}: .*{needle}"):
-            mixture_schedule_from_file(tmp_path / name)
-    with pytest.raises(ValueError, match="cannot read the mixture schedule"):
-        mixture_schedule_from_file(tmp_path / "missing.toml")
-    with pytest.raises(ValueError, match="format must be 'json' or 'toml'"):
-        mixture_schedule_from_text("{}", "yaml")  # type: ignore[arg-type]
+            read_mixture(tmp_path / name)
+    with pytest.raises(ValueError, match="cannot read the mixture"):
+        read_mixture(tmp_path / "missing.toml")
