@@ -3,7 +3,8 @@
 Per step the leader takes one batch from its source, agrees with the other replicas' leaders on
 whether every replica has one (so all replicas stop at the same step), and sends one message
 (header, description and tensors in one buffer) per delivery group: first stage, last stage, and
-middle stages (a header-only message unless ``every_stage`` keys exist); see
+middle stages when there are ``every_stage`` keys (without any, middle stages are outside
+delivery and read the leader's bulletin if they iterate: :mod:`collective_loader.delivery.bulletin`); see
 :mod:`collective_loader.delivery.protocol`. While batch sizes repeat that is one collective per group
 (see :class:`~collective_loader.delivery.transport.Channel`). A watchdog on each leader reports a source
 that stalls. Every rank runs the gloo part on a background thread that works at most
