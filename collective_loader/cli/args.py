@@ -130,6 +130,12 @@ def parser(description: str) -> argparse.ArgumentParser:
         "in the demo's own exchanges after the epoch",
     )
     p.add_argument(
+        "--mix",
+        action="store_true",
+        help="three sources of documents tenfold apart in length, mixed on a two-phase schedule counted in tokens "
+        "(MixtureSource), beside streaming's Stream(proportion=) mixing; checks every 8-step window",
+    )
+    p.add_argument(
         "--remote",
         action="store_true",
         help="serve the dataset from a local S3 endpoint (moto) and stream it from there; prints what each "

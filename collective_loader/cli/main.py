@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import replace
 
 from collective_loader.cli.args import UsageError, parser, say_once
+from collective_loader.cli.mix import mix_main, write_sources
 from collective_loader.cli.preflight import preflight
 from collective_loader.cli.run import rank_main
 from collective_loader.cli.s3 import run_remote
@@ -32,6 +33,15 @@ def main(argv: list[str] | None = None) -> int:
             return run_remote(a, ns.timeout)
     except UsageError as e:
         return say_once(str(e))
+    if ns.mix:
+        if torchrun:  # the ranks write the sources themselves, one copy per node
+            return launch.run(mix_main, a, math.prod(a.shape), ns.timeout)
+        out = tempfile.mkdtemp(prefix="collective_loader_mix_")
+        try:
+            write_sources(out)
+            return launch.run(mix_main, replace(a, data=out), math.prod(a.shape), ns.timeout)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
     if ns.data or torchrun:  # under torchrun the ranks write the dataset themselves
         return launch.run(rank_main, a, math.prod(a.shape), ns.timeout)
     out = tempfile.mkdtemp(prefix="collective_loader_demo_")

@@ -34,6 +34,9 @@ def preflight(ns: argparse.Namespace, world_size: int | None) -> DemoArgs:
     """The parsed flags checked, as what every rank is given; a UsageError for the first that
     cannot run. ``world_size``: the ranks torchrun started (None when the demo starts its own)."""
     dims, shape = check_mesh(ns.mesh, ns.seq_len, ns.split, world_size)
+    mixed = [f for f, v in (("--data", ns.data), ("--remote", ns.remote), ("--tokenizer", ns.tokenizer)) if v]
+    if ns.mix and mixed:
+        raise UsageError(f"--mix writes and mixes its own three sources: leave out {mixed[0]}")
     if ns.remote:
         check_remote(ns.data, world_size is not None)
     text_flags = [f for f, v in (("--bos-token", ns.bos_token), ("--eos-token", ns.eos_token)) if v]

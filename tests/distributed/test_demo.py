@@ -42,7 +42,8 @@ UNDER_TORCHRUN = (
     "32",
 )
 REMOTE = (*QUICKSTART, "--remote", "--mesh", "pp=2,dp=2", "--samples", "32")
-RUN_HERE = (QUICKSTART, MIDDLE_STAGES, UNDER_TORCHRUN, REMOTE)
+MIX = (*QUICKSTART, "--mix", "--mesh", "pp=2,dp=2")
+RUN_HERE = (QUICKSTART, MIDDLE_STAGES, UNDER_TORCHRUN, REMOTE, MIX)
 
 
 def _run(cmd: list[str]) -> str:
@@ -59,6 +60,20 @@ def test_demo_default_shows_the_naive_mismatch_and_ours_clean():
     assert re.search(r"naive, every rank builds StreamingDataset\(replication=2\): 100\.0%", out), out
     assert re.search(r"collective_loader: +0\.0% \(0 of \d+", out), out
     assert "samples per replica: {0: 128, 1: 128}" in out
+
+
+@pytest.mark.timeout(420)
+def test_demo_mix_follows_the_schedule_in_tokens_where_streaming_proportions_do_not():
+    """docs/mixtures.md's demo: three sources tenfold apart in document length, a two-phase
+    schedule; every 8-step window within the allocator's bound, each phase's shares within 0.01 of
+    the target, and streaming's Stream(proportion=) far from it on the long source."""
+    out = _run([sys.executable, *MIX])
+    assert "all checks passed" in out, out
+    for phase in re.findall(r"phase \d \(steps [\d-]+\): (.*)", out):
+        for name, target, ours, theirs in re.findall(r"(\w+) ([\d.]+) / ([\d.]+) / ([\d.]+)", phase):
+            assert abs(float(ours) - float(target)) <= 0.01, (name, phase)
+            if name == "long":
+                assert float(theirs) - float(target) > 0.3, (name, phase)  # streaming's: samples, not tokens
 
 
 @pytest.mark.parametrize("mesh", ["pp=3,dp=2", pytest.param("pp=4,dp=2", marks=pytest.mark.slow)])
