@@ -3,14 +3,17 @@
 :class:`TitanStreamingDataLoader` is the ``--dataloader`` of
 :func:`~collective_loader.integrations.titan_trainer.load_mds_once_per_replica`: a ``StreamingDataset``
 in any of LLM Foundry's layouts (token ids as bytes or ndarray, or text the leaders tokenize with
-the Trainer's tokenizer and pack), its batches delivered to every rank of the replica. Its state
-resumes on another DP degree with the same global batch (:class:`GlobalBatch`).
+the Trainer's tokenizer and pack), its batches delivered to every rank of the replica; or, with
+``--dataloader.mixture FILE``, several such datasets packed and mixed on a schedule
+(:class:`~collective_loader.streaming.MixtureSource`). Its state resumes on another DP degree with
+the same global batch (:class:`GlobalBatch`).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -21,24 +24,49 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.components.dataloader import BaseDataLoader
 
 from collective_loader.integrations.titan import DATA_MESH, TitanDataLoader
-from collective_loader.integrations.titan_batches import PACKED_KEYS, check_columns, titan_collate, titan_inputs
+from collective_loader.integrations.titan_batches import (
+    PACKED_KEYS,
+    SOURCE_ID,
+    check_columns,
+    titan_collate,
+    titan_inputs,
+)
 from collective_loader.integrations.titan_wrap import NeedsMesh
 from collective_loader.plan.mesh import StageStyle
-from collective_loader.streaming import StreamingSource
+from collective_loader.streaming import MixtureSource, MixtureStream, StreamingSource
 from collective_loader.streaming.streams import PackedStream, SampleStream
-from collective_loader.text import Balance, Packing, TextColumn, TokenColumn
+from collective_loader.text import Balance, MixtureSchedule, Packing, TextColumn, TokenColumn, read_mixture
 from collective_loader.text.layouts import INTEGER_TYPES, ColumnLayout
 
-__all__ = ["GlobalBatch", "TitanStreamingDataLoader", "batch_flag", "read_as"]
+__all__ = ["GlobalBatch", "TitanStreamingDataLoader", "batch_flag", "mixture_sources", "read_as"]
+
+log = logging.getLogger(__name__)
+
+
+def _check_dataset(dataset: Any, layout: ColumnLayout) -> None:
+    """Refuse a leader's ``StreamingDataset`` whose columns ``layout`` cannot read (:func:`check_columns`)."""
+    shards = dataset.shards
+    if shards:
+        check_columns(layout, dict(zip(shards[0].column_names, shards[0].column_encodings)))
 
 
 def _checked(source: StreamingSource) -> SampleStream | PackedStream:
     """``source()`` (a leader's stream), its dataset's columns checked against the source's layout.
-    The only place that reads the source's dataset."""
+    With :func:`_checked_mixture`, the only place that reads the datasets."""
     stream = source()
-    shards = stream.dataset.shards
-    if shards:
-        check_columns(source.layout, dict(zip(shards[0].column_names, shards[0].column_encodings)))
+    _check_dataset(stream.dataset, source.layout)
+    return stream
+
+
+def _checked_mixture(source: MixtureSource, layout: ColumnLayout) -> MixtureStream:
+    """``source()`` (a leader's mixture), every source's dataset checked against ``layout``; an
+    error names the source."""
+    stream = source()
+    for name, each in stream.streams.items():
+        try:
+            _check_dataset(each.dataset, layout)
+        except ValueError as e:
+            raise ValueError(f"mixture source {name!r}: {e}") from None
     return stream
 
 
@@ -52,6 +80,13 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
     (and their DataLoader workers) with the ``tokenizer`` the Trainer builds from
     ``--hf_assets_path``, and packed. Packed rows carry per-document ``positions`` (0 at each
     document and each row), from which TorchTitan's block-causal attention builds its masks.
+
+    With ``mixture`` (a ``.json`` or ``.toml`` file, :func:`~collective_loader.text.read_mixture`) it
+    reads several datasets instead, each packed into rows of its own, and draws each row of a
+    batch from the source its schedule names (:class:`~collective_loader.streaming.MixtureSource`,
+    ``docs/mixtures.md``), with the layout, packing and batch the flags give one dataset. The
+    mixture's ``source_id`` is delivered and dropped (:func:`~.titan_batches.titan_inputs`): TorchTitan's
+    train step has no place for it.
 
     Yields ``({"input": ..., "positions": ...}, labels)`` of ``local_batch_size`` rows (the
     pipeline micro-batch when pp > 1), on every rank of every stage. Its checkpoint state is
@@ -72,7 +107,13 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config, NeedsMesh):
         """``--dataloader.<field>``. ``dataset_path`` (from ``BaseDataLoader.Config``) is the local
-        directory of an MDS dataset (with ``remote``: its cache)."""
+        directory of an MDS dataset (with ``remote``: its cache); or give ``mixture``."""
+
+        mixture: str | None = None
+        """A mixture file (``.json`` or ``.toml``, docs/mixtures.md): a table of ``StreamingDataset``
+        arguments per source and the schedule of their weights, read instead of ``dataset_path`` and
+        ``remote``. Every source is packed: add ``pack`` (token ids) or ``text``. ``shuffle``,
+        ``shuffle_seed`` and ``num_canonical_nodes`` are each source's unless its table sets them."""
 
         remote: str | None = None
         """Where streaming downloads shards from into ``dataset_path`` (None: local only)."""
@@ -142,38 +183,33 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
                 "dataloaders: build the trainer from collective_loader.integrations.titan_trainer.TitanTrainer.Config "
                 "(load_mds_once_per_replica(config) does), or give it the mesh: with_mesh(config, mesh)"
             )
-        if not config.dataset_path:
-            raise ValueError("set --dataloader.dataset_path to the local directory of an MDS dataset")
+        if not config.dataset_path and config.mixture is None:
+            raise ValueError(
+                "set --dataloader.dataset_path to the local directory of an MDS dataset, or --dataloader.mixture to "
+                "a mixture file of several"
+            )
         layout, packing = read_as(config, tokenizer, seq_len)
-        if packing is None:
-            assert isinstance(layout, TokenColumn)
-            rows: dict[str, Any] = {
-                "collate": functools.partial(titan_collate, seq_len=seq_len, column=layout.column, dtype=layout.dtype)
-            }
+        self.mixture = config.mixture is not None
+        if config.mixture is not None:
+            assert packing is not None  # read_as refuses a mixture without packing
+            sources, schedule = mixture_sources(config)
+            mixture = MixtureSource(
+                mesh,
+                sources,
+                schedule,
+                batch_size=local_batch_size,
+                packing=packing,
+                layout=layout,
+                documents_per_batch=config.documents_per_batch,
+                num_workers=config.num_workers,
+                stage_style=config._stage_style,
+                timeout=config.timeout,
+            )
+            build: Any = functools.partial(_checked_mixture, mixture, layout)
+            inputs: tuple[str, ...] = (*PACKED_KEYS, SOURCE_ID)
         else:
-            rows = {"packing": packing, "documents_per_batch": config.documents_per_batch}
-        source = StreamingSource(
-            mesh,
-            local=config.dataset_path,
-            remote=config.remote,
-            batch_size=local_batch_size,
-            layout=layout,
-            shuffle=config.shuffle,
-            shuffle_seed=config.shuffle_seed,
-            num_canonical_nodes=config.num_canonical_nodes,
-            num_workers=config.num_workers,
-            timeout=config.timeout,
-            stage_style=config._stage_style,  # the loader's: the same leaders (a V puts them all on pp rank 0)
-            **rows,
-        )
-        inputs = tuple(PACKED_KEYS) if packing else tuple(PACKED_KEYS.values())
-        super().__init__(
-            functools.partial(_checked, source),
-            mesh,
-            inputs=inputs,
-            timeout=config.timeout,
-            stage_style=config._stage_style,
-        )
+            build, inputs = _one_dataset(config, mesh, layout, packing, seq_len, local_batch_size)
+        super().__init__(build, mesh, inputs=inputs, timeout=config.timeout, stage_style=config._stage_style)
         if (self.dp_rank, self.dp_world_size) != (dp_rank, dp_world_size):
             raise ValueError(
                 f"the mesh puts this rank in replica {self.dp_rank} of {self.dp_world_size}, the Trainer in "
@@ -193,8 +229,19 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
         """
         state = self.loader_state(state_dict)
         if state is not None:
-            if state["source"] is not None:
-                self.global_batch.check(state["source"]["global_batch"], state["dp_size"])
+            source = state["source"]
+            if source is not None:
+                if ("mixture" in source) != self.mixture:
+                    saved, now = ("one dataset", "a mixture") if self.mixture else ("a mixture", "one dataset")
+                    raise ValueError(
+                        f"the dataloader state was saved reading {saved} and this run reads {now} "
+                        "(--dataloader.mixture): resume with the data it was saved with, or start the dataloader afresh "
+                        "(--checkpoint.exclude_from_loading dataloader)"
+                    )
+                # a mixture's sources each keep streaming's state (None: not read yet)
+                for each in source["sources"].values() if self.mixture else [source]:
+                    if each is not None:
+                        self.global_batch.check(each["global_batch"], state["dp_size"])
             self.loader.load_state_dict(state)
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
@@ -206,6 +253,40 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
             # a resumed epoch may have nothing left; a fresh one that is empty never fills
             if not self.infinite or (epoch > 0 and not delivered):
                 return
+
+
+def _one_dataset(
+    config: TitanStreamingDataLoader.Config,
+    mesh: DeviceMesh,
+    layout: ColumnLayout,
+    packing: Packing | None,
+    seq_len: int,
+    local_batch_size: int,
+) -> tuple[Any, tuple[str, ...]]:
+    """The leader's source of the dataset at ``dataset_path``, and the keys it delivers as inputs."""
+    if packing is None:
+        assert isinstance(layout, TokenColumn)
+        rows: dict[str, Any] = {
+            "collate": functools.partial(titan_collate, seq_len=seq_len, column=layout.column, dtype=layout.dtype)
+        }
+    else:
+        rows = {"packing": packing, "documents_per_batch": config.documents_per_batch}
+    source = StreamingSource(
+        mesh,
+        local=config.dataset_path,
+        remote=config.remote,
+        batch_size=local_batch_size,
+        layout=layout,
+        shuffle=config.shuffle,
+        shuffle_seed=config.shuffle_seed,
+        num_canonical_nodes=config.num_canonical_nodes,
+        num_workers=config.num_workers,
+        timeout=config.timeout,
+        stage_style=config._stage_style,  # the loader's: the same leaders (a V puts them all on pp rank 0)
+        **rows,
+    )
+    inputs = tuple(PACKED_KEYS) if packing else tuple(PACKED_KEYS.values())
+    return functools.partial(_checked, source), inputs
 
 
 # one row at a time: TorchTitan's pipeline loads one micro-batch per loader step, and the rows
@@ -288,6 +369,15 @@ def read_as(
         layout = TextColumn(tokenizer, column=config.column or "text")
     else:
         layout = TokenColumn(config.column or "tokens", config.token_dtype)
+    if config.mixture is not None and not (config.text or config.pack):
+        raise ValueError(
+            "--dataloader.mixture packs every source's documents into rows (its weights count tokens): add "
+            "--dataloader.pack (token ids of any length) or --dataloader.text (text tokenized on the leaders)"
+        )
+    if config.mixture is not None and config.balance:
+        raise ValueError(
+            "--dataloader.mixture does not balance rows over the replicas yet: leave out --dataloader.balance"
+        )
     if config.text or config.pack:
         return layout, Packing(seq_len, config.at_end, ("position_ids",), BALANCE if config.balance else None)
     if config.documents_per_batch is not None or config.at_end != "pad" or config.balance:
@@ -296,3 +386,28 @@ def read_as(
             "packed: add --dataloader.pack (token ids of any length) or --dataloader.text, or leave them out"
         )
     return layout, None
+
+
+def mixture_sources(config: TitanStreamingDataLoader.Config) -> tuple[dict[str, dict[str, Any]], MixtureSchedule]:
+    """The sources and the schedule of ``--dataloader.mixture`` (:func:`~collective_loader.text.read_mixture`;
+    ``ValueError`` naming the file), each source's ``StreamingDataset`` arguments over the flags
+    every source shares: ``shuffle``, ``shuffle_seed`` and ``num_canonical_nodes``, unless its
+    table sets them. ``dataset_path`` and ``remote`` are not read (a warning says so when set).
+    """
+    assert config.mixture is not None
+    sources, schedule = read_mixture(config.mixture)
+    ignored = [
+        f"--dataloader.{name} {value}"
+        for name, value in (("dataset_path", config.dataset_path), ("remote", config.remote))
+        if value
+    ]
+    if ignored:
+        log.warning(
+            "--dataloader.mixture %s names each source's dataset: %s not read", config.mixture, " and ".join(ignored)
+        )
+    shared = {
+        "shuffle": config.shuffle,
+        "shuffle_seed": config.shuffle_seed,
+        "num_canonical_nodes": config.num_canonical_nodes,
+    }
+    return {name: {**shared, **table} for name, table in sources.items()}, schedule

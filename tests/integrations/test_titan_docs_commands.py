@@ -9,6 +9,9 @@ every flag as shown, in a fresh directory holding the local files the flags name
 * ``--hf_assets_path P``: a byte-level BPE of 1024 tokens trained on the documents (``titan_text``);
 * ``--dataloader.dataset_path P``: the documents as JSON lines (``P/train.jsonl``, ``{"text": ...}``),
   or, with ``--dataloader.text``, as an MDS dataset with a ``text`` column;
+* ``--dataloader.mixture P`` (with ``--dataloader.text``): ``P``, the ```toml block of the same page
+  whose first line is ``# <P's name>``, and an MDS dataset with a ``text`` column at each source's
+  ``local`` (a relative path), each of other documents;
 * ``--module M`` other than ``collective_loader.integrations.titan_configs``: ``M.py``, the ```python block of
   the same page whose second line starts with ``# M.py``.
 
@@ -130,7 +133,7 @@ def parse(where: str, line: str) -> Command | None:
     if any("$" in w for w in flags):
         raise ValueError(f"{where}: a variable cannot be run as shown: {line!r}")
     command = Command(where, int(nproc[0]), flags)
-    for name in ("--hf_assets_path", "--dataloader.dataset_path", "--dump_folder"):
+    for name in ("--hf_assets_path", "--dataloader.dataset_path", "--dataloader.mixture", "--dump_folder"):
         value = command.flag(name)
         if value is not None and os.path.isabs(value):
             raise ValueError(f"{where}: {name} {value}: give a relative path, which the test can fill with files")
@@ -168,6 +171,24 @@ def config_module(page: str, module: str, root: Path = REPO) -> str:
     raise AssertionError(f"{page}: --module {module}, and no ```python block of the page starts with '# {module}.py'")
 
 
+def mixture_file(page: str, name: str, root: Path = REPO) -> str:
+    """The ```toml block of ``page`` that is the mixture file ``name`` (its first line: ``# <name>``)."""
+    for block in re.findall(r"```toml\n(.*?)```", (root / page).read_text(), re.S):
+        if block.startswith(f"# {name}\n"):
+            return block
+    raise AssertionError(
+        f"{page}: --dataloader.mixture {name}, and no ```toml block of the page starts with '# {name}'"
+    )
+
+
+def write_mds_text(out: Path, texts: list[str]) -> None:
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(out), columns={"text": "str"}) as writer:
+        for text in texts:
+            writer.write({"text": text})
+
+
 def write_inputs(command: Command, cwd: Path) -> None:
     """The local files the command names, under ``cwd``."""
     texts = titan_text.documents(400, seed=3)
@@ -176,13 +197,19 @@ def write_inputs(command: Command, cwd: Path) -> None:
         titan_text.write_tokenizer(str(cwd / assets), texts)
     data = command.flag("--dataloader.dataset_path")
     if data is not None and "--dataloader.text" in command.flags:
-        from streaming import MDSWriter
-
-        with MDSWriter(out=str(cwd / data), columns={"text": "str"}) as writer:
-            for text in texts:
-                writer.write({"text": text})
+        write_mds_text(cwd / data, texts)
     elif data is not None:
         titan_text.write_jsonl(str(cwd / data / "train.jsonl"), [{"text": t} for t in texts])
+    mixture = command.flag("--dataloader.mixture")
+    if mixture is not None:
+        from collective_loader.text import read_mixture
+
+        assert "--dataloader.text" in command.flags, f"{command.where}: a mixture of text sources only"
+        (cwd / mixture).write_text(mixture_file(command.where.split(":")[0], Path(mixture).name))
+        sources, _ = read_mixture(cwd / mixture)
+        for seed, (name, table) in enumerate(sorted(sources.items()), 4):
+            assert not os.path.isabs(table["local"]), f"{command.where}: source {name}: give a relative local path"
+            write_mds_text(cwd / table["local"], titan_text.documents(200, seed=seed))
     if command.module != STOCK_MODULE:
         page = command.where.split(":")[0]
         (cwd / f"{command.module}.py").write_text(config_module(page, command.module))
