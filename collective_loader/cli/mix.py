@@ -11,10 +11,7 @@ window is within it, 1 otherwise.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections import Counter
-from dataclasses import replace
 from itertools import islice
 from typing import Any
 
@@ -24,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from collective_loader.cli.args import SHUFFLE_SEED, DemoArgs
+from collective_loader.cli.run import on_node_data
 from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.mesh import mesh_place
 from collective_loader.streaming import MixtureSource, StreamingSource
@@ -72,19 +70,8 @@ def counts(batch: dict[str, Any]) -> Counter[str]:
 
 def mix_main(a: DemoArgs) -> int:
     """One rank of ``demo --mix`` (``launch.run`` calls it on every one); rank 0's verdict."""
-    if not a.data:  # under torchrun: one copy per node, written by local rank 0
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-        out = os.path.join(tempfile.gettempdir(), f"collective_loader_mix_{run_id}")
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            shutil.rmtree(out, ignore_errors=True)
-            write_sources(out)
-        dist.barrier()
-        try:
-            return mix_main(replace(a, data=out))
-        finally:
-            dist.barrier()
-            if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-                shutil.rmtree(out, ignore_errors=True)
+    if not a.data:  # under torchrun
+        return on_node_data(a, "mix", write_sources, mix_main)
     mesh = init_device_mesh("cpu", a.shape, mesh_dim_names=a.dims)
     place = mesh_place(mesh, dist.get_rank(), placement=a.placement)
     packing = Packing(a.seq_len, a.at_end)

@@ -39,20 +39,8 @@ from collective_loader.text import Packing
 
 def rank_main(a: DemoArgs) -> int:
     """The demo on this rank (``launch.run`` calls it on every one); its exit code, rank 0's verdict."""
-    if not a.data:  # under torchrun: one copy of the dataset per node, written by local rank 0
-        out = os.path.join(
-            tempfile.gettempdir(), f"collective_loader_demo_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
-        )
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            shutil.rmtree(out, ignore_errors=True)
-            write_dataset(out, a.samples, a.seq_len)
-        dist.barrier()
-        try:
-            return rank_main(replace(a, data=out))
-        finally:
-            dist.barrier()
-            if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-                shutil.rmtree(out, ignore_errors=True)
+    if not a.data:  # under torchrun
+        return on_node_data(a, "demo", lambda out: write_dataset(out, a.samples, a.seq_len), rank_main)
     show_library_log()
     mesh = init_device_mesh("cpu", a.shape, mesh_dim_names=a.dims)
     me = dist.get_rank()
@@ -103,6 +91,25 @@ def rank_main(a: DemoArgs) -> int:
             traceback.print_exception(e.__cause__)
         print(f"rank {me}: {e}", file=sys.stderr)
         return 1
+
+
+def on_node_data(a: DemoArgs, name: str, write: Callable[[str], None], main: Callable[[DemoArgs], int]) -> int:
+    """Under torchrun: ``write`` the demo's data once per node (local rank 0, in a temp dir named
+    after the run), run ``main`` with it on every rank, then remove it."""
+    out = os.path.join(
+        tempfile.gettempdir(), f"collective_loader_{name}_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    )
+    first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    if first_on_node:
+        shutil.rmtree(out, ignore_errors=True)
+        write(out)
+    dist.barrier()
+    try:
+        return main(replace(a, data=out))
+    finally:
+        dist.barrier()
+        if first_on_node:
+            shutil.rmtree(out, ignore_errors=True)
 
 
 class DemoError(RuntimeError):

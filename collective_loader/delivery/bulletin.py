@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from collective_loader.plan import wire
 from collective_loader.plan.wire import Kind
 
 POLL_FIRST, POLL_MOST = 0.0005, 0.02  # seconds between reads while a step is not posted yet
+T = TypeVar("T")
 
 
 def job_store() -> dist.Store:
@@ -98,26 +99,21 @@ class Bulletin:
         (:class:`~collective_loader.DeliveryError` then)."""
         if epoch != self._epoch:
             self._epoch, self._posted = epoch, 0
-        deadline = time.monotonic() + self.timeout
-        pause = POLL_FIRST
-        while True:
+        last = f"{self.prefix}{epoch}/last"
+
+        def outcome() -> tuple[Kind, str] | None:
             if step < self._posted:
                 return Kind.DATA, ""
             self._posted = self.store.add(f"{self.prefix}{epoch}/steps", 0)
             if step < self._posted:
                 return Kind.DATA, ""
-            last = f"{self.prefix}{epoch}/last"
             if self.store.check([last]):
                 kind, at, text = _parse(self.store.get(last))
                 if at == step:
                     return kind, text
-            if time.monotonic() > deadline:
-                raise DeliveryError(
-                    f"rank {dist.get_rank()} (outside delivery) waited {self.timeout:.0f}s for its leader to "
-                    f"deliver step {step} (timeout={self.timeout}s)"
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_MOST)
+            return None
+
+        return self._poll(outcome, f"deliver step {step}")
 
     def error(self) -> tuple[Kind, str] | None:
         """The error the leader posted, if any (does not wait)."""
@@ -131,27 +127,39 @@ class Bulletin:
         """The loader state the leader posted at its ``index``-th checkpoint (waits for it; raises
         the leader's error instead if it posts one meanwhile)."""
         key = f"{self.prefix}state/{index}"
-        deadline = time.monotonic() + self.timeout
-        pause = POLL_FIRST
-        while not self.store.check([key]):
-            posted = self.error()
-            if posted is not None:
-                kind, text = posted
+
+        def posted() -> bool | None:
+            if self.store.check([key]):
+                return True
+            failed = self.error()
+            if failed is not None:
+                kind, text = failed
                 self.reported = True
                 raise kind.error(f"rank {dist.get_rank()} (outside delivery) waited for its loader state: {text}")
-            if time.monotonic() > deadline:
-                raise DeliveryError(
-                    f"rank {dist.get_rank()} (outside delivery) waited {self.timeout:.0f}s for its leader to post "
-                    f"its loader state (checkpoint {index}; timeout={self.timeout}s)"
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_MOST)
+            return None
+
+        self._poll(posted, f"post its loader state (checkpoint {index})")
         raw = self.store.get(key)
         buf = torch.empty(len(raw), dtype=torch.uint8)
         buf.numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
         header = wire.Header.read(buf, len(raw))
         payload = buf[wire.HEADER_BYTES : wire.HEADER_BYTES + header.payload_nbytes]
         return wire.decode(payload, header.meta_nbytes).batch(payload)
+
+    def _poll(self, ready: Callable[[], T | None], what: str) -> T:
+        """``ready()``'s first answer that is not None, asked with a growing pause (the leader is
+        usually ahead: the first ask answers); DeliveryError after ``timeout`` seconds."""
+        deadline = time.monotonic() + self.timeout
+        pause = POLL_FIRST
+        while (answer := ready()) is None:
+            if time.monotonic() > deadline:
+                raise DeliveryError(
+                    f"rank {dist.get_rank()} (outside delivery) waited {self.timeout:.0f}s for its leader to "
+                    f"{what} (timeout={self.timeout}s)"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MOST)
+        return answer
 
     def read_config(self) -> str:
         """The leader's configuration digest (waits for it: posted at construction)."""
