@@ -289,6 +289,7 @@ def v_shaped(data) -> Run:
     return train(data, "pp2-dp2-ZBV", pp=2, flags=(*schedule("ZBVZeroBubble"), "--checkpoint.load_only"))
 
 
+@pytest.mark.slow  # a Trainer run (4 ranks, ~20 s); by default V runs in the pipeline_parity example and test_pipeline_stages
 @pytest.mark.timeout(900)
 def test_a_v_schedule_trains_with_the_losses_of_pp1(reference, v_shaped):
     """ZBVZeroBubble, from nothing but TorchTitan's flag: the trainer hands the loader stage_style "v",

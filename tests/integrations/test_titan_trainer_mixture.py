@@ -223,6 +223,7 @@ def pipelined(data) -> Run:
     return train(data, "pp2-dp2", pp=2, flags=("--checkpoint.interval=4",))
 
 
+@pytest.mark.slow  # a Trainer run (4 ranks); by default the mixture runs in test_mixture_source and demo --mix
 @pytest.mark.timeout(600)
 def test_a_mixture_trains_under_torchtitans_trainer_row_by_row_as_scheduled(data, pipelined):
     assert sorted(pipelined.losses) == list(range(1, STEPS + 1))
