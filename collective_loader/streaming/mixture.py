@@ -148,9 +148,10 @@ class MixtureStream:
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
         self._rows = {}
+        index = {name: i for i, name in enumerate(self.names)}
         while True:
-            weights = self.schedule.weights_at(self.progress)
-            chosen = self.allocator.allocate(self.progress, self.batch_size)
+            start = self.progress  # the step's weights are those at its start
+            chosen = self.allocator.allocate(start, self.batch_size)
             rows: list[Row] = []
             ids: list[int] = []
             for name in chosen:
@@ -159,11 +160,12 @@ class MixtureStream:
                     log.info("mixture source %r ran out at progress %.0f: the epoch ends", name, self.progress)
                     return
                 rows.append(row)
-                ids.append(self.names.index(name))
+                ids.append(index[name])
                 self._counts[name]["rows"] += 1
                 self._counts[name]["tokens"] += max(len(row.tokens) - 1, 0)
             self.progress += self._step_progress()
             if log.isEnabledFor(logging.DEBUG):
+                weights = self.allocator.weights_at(start)
                 log.debug("mixture step: rows %s, weights %s", {n: chosen.count(n) for n in self.names}, weights)
             batch: dict[str, Any] = batch_of(rows, self.packing, self.batch_size)
             batch["source_id"] = torch.tensor(ids, dtype=torch.int64)
