@@ -1,0 +1,37 @@
+"""examples/megatron_schedule.py, run as a user runs it: megatron-core's own
+``get_forward_backward_func()`` trains a GPTModel (local layer spec) on CollectiveLoader's
+``get_batch``; pp=2 x dp=2 and pp=4 x dp=1 (two middle stages that never touch the loader) give
+the per-step losses of pp=1 x dp=2."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "megatron_schedule.py")
+LINE = re.compile(r"^pp=(\d) dp=(\d)\s+losses ([\d. ]+?)\s+worst relative gap to pp=1 dp=2 (\S+)$", re.M)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_schedule_matches_unpipelined_losses():
+    proc = subprocess.Popen(
+        [sys.executable, EXAMPLE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the example and every rank it started
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    found = {(int(pp), int(dp)): (losses.split(), float(gap)) for pp, dp, losses, gap in LINE.findall(out)}
+    assert sorted(found) == [(1, 2), (2, 2), (4, 1)], out
+    for layout, (losses, gap) in found.items():
+        assert len(losses) == 3 and gap <= 1e-5, (layout, losses, gap)
