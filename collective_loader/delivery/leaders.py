@@ -10,13 +10,16 @@ waiting for each other before shared files are released. They go through a
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from collective_loader.delivery.transport import new_group
+from collective_loader.errors import LeaderError
+
+Local = TypeVar("Local")
 
 
 class LeaderGroup:
@@ -52,6 +55,23 @@ class LeaderGroup:
         out: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(out, value, group=self.group)
         return out
+
+    def agree(self, compute: Callable[[], tuple[Local, Any]], what: str) -> tuple[Local, list[Any]]:
+        """``compute()`` gives ``(local, shared)``: returns ``local`` and every leader's
+        ``shared`` (picklable), in leader order, on every leader (one :meth:`gather`). When
+        ``compute`` raises on a leader, that leader raises it after telling the others, which raise
+        :class:`~collective_loader.errors.LeaderError` naming it and ``what`` they were doing
+        (the others would otherwise wait in the gather until its timeout)."""
+        try:
+            local, shared = compute()
+        except Exception as e:
+            self.gather(("error", f"{type(e).__name__}: {e}"))
+            raise
+        heard = self.gather(("ok", shared))
+        for j, (kind, value) in enumerate(heard):
+            if kind == "error":
+                raise LeaderError(f"the leader of replica {j} failed while the leaders {what}: {value}")
+        return local, [value for _, value in heard]
 
     def exchange(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
         """Every leader sends ``send_counts[j]`` elements of ``send`` (1-D, in leader order) to

@@ -62,9 +62,9 @@ def _checked_mixture(source: MixtureSource, layout: ColumnLayout) -> MixtureStre
     """``source()`` (a leader's mixture), every source's dataset checked against ``layout``; an
     error names the source."""
     stream = source()
-    for name, each in stream.streams.items():
+    for name, each in stream.sources.items():
         try:
-            _check_dataset(each.dataset, layout)
+            _check_dataset(each.stream.dataset, layout)
         except ValueError as e:
             raise ValueError(f"mixture source {name!r}: {e}") from None
     return stream

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
 
 from collective_loader.delivery.leaders import LeaderGroup
-from collective_loader.errors import LeaderError
 from collective_loader.text.balance import Piece, place_in_blocks, replica_costs
 from collective_loader.text.packing import Packing, Row, batch_of
 
@@ -49,23 +47,10 @@ class BalancedRows:
         """Each step's batch of this replica's rows: ``steps`` yields this leader's rows as packed."""
         self.stats = {"steps": 0, "cost_ratio_packed": 0.0, "cost_ratio_placed": 0.0}
         while True:
-            rows: list[Row] | None = None
-            try:
-                rows = next(steps)
-                said: tuple[str, Any] = ("rows", [r.pieces for r in rows])
-            except StopIteration:
-                rows, said = None, ("end", None)
-            except Exception as e:  # the others wait in this step's gather: tell them, then raise here
-                self.leaders.gather(("error", f"{type(e).__name__}: {e}"))
-                raise
-            heard = self.leaders.gather(said)
-            failed = [(j, text) for j, (kind, text) in enumerate(heard) if kind == "error"]
-            if failed:
-                j, text = failed[0]
-                raise LeaderError(f"the leader of replica {j} failed while the leaders balanced a step: {text}")
-            if rows is None or any(kind == "end" for kind, _ in heard):
+            rows, heard = self.leaders.agree(lambda: _next_rows(steps), "balanced a step")
+            if rows is None or any(pieces is None for pieces in heard):
                 return  # every leader stops at this step
-            yield self._step(rows, [pieces for _, pieces in heard])
+            yield self._step(rows, heard)
 
     def _step(self, rows: list[Row], pieces: list[list[list[int]]]) -> dict[str, torch.Tensor]:
         capacity = self.packing.seq_len + 1
@@ -121,3 +106,9 @@ class BalancedRows:
             ratios[0],
             ratios[1],
         )
+
+
+def _next_rows(steps: Iterator[list[Row]]) -> tuple[list[Row] | None, list[list[int]] | None]:
+    """This leader's next rows, and what the others need of them (their pieces; ``None`` at the end)."""
+    rows = next(steps, None)
+    return rows, None if rows is None else [r.pieces for r in rows]

@@ -7,35 +7,50 @@ concatenation, so a row holds ``seq_len`` real tokens whatever its documents' le
 mixing rows mixes tokens. Which source each row of a step comes from is decided by a
 :class:`~collective_loader.text.mixture.RowAllocator` from the schedule and the training progress
 alone: every leader decides the same, with no collective, and the decision does not depend on the
-DP degree. Each source keeps its own cursor (its packing stream's state), saved in the loader's
-state, so a resume continues each source where it was, also after the schedule's future was
-edited (other weights, a source added or dropped: logged at INFO)::
+DP degree. Every replica takes the same sources for its rows: each consumes its part of every
+source at the scheduled rate, so the leaders' parts (as many documents each) run out together,
+and a replica's rows do not depend on how its steps are cut into micro-batches. Each source keeps its own cursor (its
+packing stream's state), saved in the loader's state, so a resume continues each source where
+it was, also at another DP degree and after the schedule's future was edited (other weights, a
+source added or dropped: logged at INFO)::
 
     schedule = MixtureSchedule((Phase(0, {"web": 0.7, "code": 0.3}), Phase(8e6, {"web": 0.2, "math": 0.8}, ramp=1e6)))
-    source = MixtureSource(mesh, {"web": {"local": "/data/web"}, "code": {"local": "/data/code"},
+    source = MixtureSource(mesh, {"web": {"local": "/data/web"},
+                                  "code": {"local": "/data/code", "when_exhausted": "repeat"},
                                   "math": {"local": "/data/math"}},
                            schedule, batch_size=8, packing=Packing(seq_len=2048))
     loader = CollectiveLoader(source, mesh, inputs=("input_ids",), labels=("labels", "source_id"))
 
 Every batch carries ``source_id`` ``(R,)`` int64: each row's source, its index in
-``MixtureSource.names`` (a trainer logs the loss per source from it). A source that runs out
-ends the epoch, on every rank at the same step (the loader's end of data).
+``MixtureSource.names`` (a trainer logs the loss per source from it).
+
+**When a source runs out** on some leader (each leader reads its own part of every source), its
+``when_exhausted`` policy applies on every leader at the same step: ``"end"`` (the default) ends
+the epoch, ``"repeat"`` begins a new shuffled epoch of that source, ``"stop"`` takes it out and
+shares its weight among the others. What the other leaders had left of that source's epoch is
+not trained (as at streaming's own epoch end: each leader's part holds as many documents, so
+that is a few rows; ``stats()`` counts the queued ones as ``dropped_rows``). With a "repeat" or
+"stop" source the leaders agree on it every step (one small gather among them, on the loader's
+transfer thread); with "end" alone the loader's own end of data does.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from collective_loader.delivery.leaders import LeaderGroup
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, Placement, StageStyle
 from collective_loader.streaming.source import StreamingSource
 from collective_loader.streaming.streams import PackedStream
 from collective_loader.text.layouts import ColumnLayout
-from collective_loader.text.mixture import MixtureSchedule, RowAllocator
+from collective_loader.text.mixture import MixtureSchedule, RowAllocator, WhenExhausted, when_exhausted_of
 from collective_loader.text.packing import Packing, Row, batch_of
 
 log = logging.getLogger(__name__)
@@ -48,8 +63,10 @@ class MixtureSource:
     Args:
         mesh: the loader's mesh. Construct on **every** rank.
         sources: per source name, the ``StreamingDataset`` arguments of that source (``local``,
-            ``remote``, ``shuffle``, ``shuffle_seed``, ...). Every name the schedule weighs must
-            be here; one it does not weigh is read only if a resumed state's schedule did.
+            ``remote``, ``shuffle``, ``shuffle_seed``, ...) and, optionally, ``when_exhausted``:
+            ``"end"``, ``"repeat"`` or ``"stop"`` (see the module). Every name the schedule weighs
+            must be here; one it does not weigh is kept with its cursor, and read only when the
+            schedule weighs it.
         schedule: the weights over training progress.
         batch_size: rows per replica and step.
         packing: how each source's documents become rows (balancing over replicas is not
@@ -83,6 +100,7 @@ class MixtureSource:
             raise ValueError("mixtures do not balance rows over replicas yet: leave Packing(balance=None)")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 row per replica and step, got {batch_size}")
+        self.when_exhausted = when_exhausted_of(sources, "MixtureSource")
         self.names: tuple[str, ...] = tuple(sorted(sources))
         self.schedule, self.batch_size, self.packing = schedule, batch_size, packing
         self._sources = {
@@ -98,13 +116,16 @@ class MixtureSource:
                 clean_stale=clean_stale and name == self.names[0],  # once per node is enough
                 timeout=timeout,
                 dataloader_kwargs=dataloader_kwargs,
-                **dict(sources[name]),
+                **{k: v for k, v in sources[name].items() if k != "when_exhausted"},
             )
             for name in self.names
         }
         first = self._sources[self.names[0]]
         self.place = first.place
         self.leaders = first.leaders
+        # the per-step agreement runs on the transfer thread: a group of its own, apart from checkpoint_state's
+        agree = any(policy != "end" for policy in self.when_exhausted.values())
+        self._agreement = LeaderGroup.build(self.leaders, timeout, "mixture") if agree else None
 
     def __call__(self) -> MixtureStream:
         """Build every source's dataset and DataLoader (leaders only; ``CollectiveLoader`` calls this)."""
@@ -113,15 +134,87 @@ class MixtureSource:
             stream = self._sources[name]()
             assert isinstance(stream, PackedStream)
             streams[name] = stream
-        return MixtureStream(streams, self.schedule, self.batch_size, self.packing, self.place.dp_size)
+        return MixtureStream(
+            streams,
+            self.schedule,
+            self.batch_size,
+            self.packing,
+            self.place.dp_size,
+            self.when_exhausted,
+            self._agreement if self._agreement is not None and self._agreement.group is not None else None,
+        )
+
+
+class _SourceRows:
+    """One source on a leader: its packing stream, read a row at a time into a queue of rows
+    taken from it but not trained yet, each with the stream's snapshot from before it (so a
+    checkpoint saves the queued rows as not trained)."""
+
+    def __init__(self, stream: PackedStream) -> None:
+        self.stream = stream
+        self.start: Any = None  # the snapshot before the epoch's first row, until one is taken (a resume's state)
+        self.queue: deque[tuple[Row, Any]] = deque()
+        self.epochs = 0  # epochs begun
+        self.dropped = 0  # rows taken and never trained: what was queued when an epoch ended early
+        self._rows: Iterator[list[Row]] | None = None
+        self._taken = 0  # rows taken in this epoch
+        self._ended = False
+
+    def begin(self) -> None:
+        """A new epoch, and its first row in the queue. Every leader does it at the same step:
+        streaming starts an epoch once every leader on the node has asked for it."""
+        if self._rows is not None:
+            self.drop()
+            self.stream.stop()  # the last epoch's DataLoader workers
+            self.start = None
+        stream = self.stream
+        self._rows = stream.rows.row_lists(stream.data.batches(), stream.data.first_step)
+        self._taken, self._ended = 0, False
+        self.epochs += 1
+        self.fill(1)
+
+    def fill(self, rows: int) -> bool:
+        """Take rows from the stream until ``rows`` are queued; ``False`` if its epoch ends first."""
+        assert self._rows is not None, "begin() first"
+        while len(self.queue) < rows and not self._ended:
+            before = self.stream.state_dict() if self._taken else None
+            pulled = next(self._rows, None)
+            if not pulled:
+                self._ended = True
+                break
+            self._taken += 1
+            self.queue.append((pulled[0], before if before is not None else self.stream.epoch_start_state()))
+        return len(self.queue) >= rows
+
+    def take(self) -> Row:
+        return self.queue.popleft()[0]
+
+    def drop(self) -> int:
+        """Forget the queued rows (the epoch ends before they are trained); how many."""
+        n = len(self.queue)
+        self.queue.clear()
+        self.dropped += n
+        return n
+
+    def snapshot(self) -> Any:
+        """The stream's snapshot before its first queued row (after its last trained one)."""
+        if self.queue:
+            return self.queue[0][1]
+        return self.stream.state_dict() if self._taken else self.start
 
 
 class MixtureStream:
     """A leader's mixture: per step, ``batch_size`` rows, each from the source the allocator names.
 
-    State: the allocator's counters, the progress, and each source's own packing state, so each
-    source resumes at its own cursor. ``stats()``: per source, rows and real tokens delivered by
-    this leader, the share of them against the scheduled weight, and the current weights.
+    Before a step's rows are used, each
+    source has them queued; with a ``"repeat"`` or ``"stop"`` source the leaders then agree over
+    ``agreement`` (one gather) whether one of them lacks rows, so that every leader ends, restarts
+    or stops that source at the same step.
+
+    State: the allocator's counters, the progress, and each source's own packing state (from
+    before its queued rows), so each source resumes at its own cursor. ``stats()``: per source,
+    the rows, real tokens and documents this leader delivered, the share of them against the
+    scheduled one, the current weight, epochs begun and rows dropped at early epoch ends.
     """
 
     elastic = True  # each source's packing state re-partitions; the allocation ignores dp
@@ -133,51 +226,87 @@ class MixtureStream:
         batch_size: int,
         packing: Packing,
         dp_size: int,
+        when_exhausted: Mapping[str, WhenExhausted],
+        agreement: LeaderGroup | None,
     ) -> None:
-        self.streams = dict(streams)
-        self.names = tuple(sorted(streams))
-        self.schedule, self.batch_size, self.packing, self.dp_size = schedule, batch_size, packing, dp_size
+        self.sources = {name: _SourceRows(streams[name]) for name in sorted(streams)}
+        self.names = tuple(self.sources)
+        self.schedule, self.batch_size, self.packing = schedule, batch_size, packing
+        self.dp_size = dp_size
+        self.when_exhausted = dict(when_exhausted)
+        self.agreement = agreement
         self.allocator = RowAllocator(schedule)
         self.progress = 0.0  # in the schedule's unit, over every replica
-        self._rows: dict[str, Iterator[list[Row]]] = {}
-        self._counts = {name: {"rows": 0, "tokens": 0} for name in self.names}
-        self._held: dict[str, Any] = {}  # the saved states of sources this schedule no longer weighs
-        self._resumed: dict[str, Any] = {}  # the state each source resumed from, until it is pulled again
+        self._counts = {name: dict.fromkeys(("rows", "tokens", "documents"), 0) for name in self.names}
+        self._held: dict[str, Any] = {}  # the saved states of sources this run does not describe
 
     # --- iteration -------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
-        self._rows = {}
+        for source in self.sources.values():
+            source.begin()
         index = {name: i for i, name in enumerate(self.names)}
         while True:
             start = self.progress  # the step's weights are those at its start
-            chosen = self.allocator.allocate(start, self.batch_size)
-            rows: list[Row] = []
-            ids: list[int] = []
-            for name in chosen:
-                row = self._next_row(name)
-                if row is None:  # this source ran out: the epoch ends here, on every rank
-                    log.info("mixture source %r ran out at progress %.0f: the epoch ends", name, self.progress)
-                    return
-                rows.append(row)
-                ids.append(index[name])
-                self._counts[name]["rows"] += 1
-                self._counts[name]["tokens"] += max(len(row.tokens) - 1, 0)
+            chosen = self._allocate()
+            if chosen is None:
+                return
+            rows = [self.sources[name].take() for name in chosen]
+            for name, row in zip(chosen, rows):
+                counts = self._counts[name]
+                counts["rows"] += 1
+                counts["tokens"] += max(len(row.tokens) - 1, 0)
+                counts["documents"] += row.documents
             self.progress += self._step_progress()
             if log.isEnabledFor(logging.DEBUG):
                 weights = self.allocator.weights_at(start)
                 log.debug("mixture step: rows %s, weights %s", {n: chosen.count(n) for n in self.names}, weights)
             batch: dict[str, Any] = batch_of(rows, self.packing, self.batch_size)
-            batch["source_id"] = torch.tensor(ids, dtype=torch.int64)
+            batch["source_id"] = torch.tensor([index[name] for name in chosen], dtype=torch.int64)
             yield batch
 
-    def _next_row(self, name: str) -> Row | None:
-        rows = self._rows.get(name)
-        if rows is None:
-            stream = self.streams[name]
-            rows = self._rows[name] = stream.rows.row_lists(stream.data.batches(), stream.data.first_step)
-        pulled = next(rows, None)
-        return pulled[0] if pulled else None
+    def _allocate(self) -> list[str] | None:
+        """The sources of this replica's rows for the next step, each queued on every leader;
+        ``None`` when the epoch ends. A source some leader lacks rows of follows its policy."""
+        restarted: set[str] = set()
+        while True:
+            trial = copy.deepcopy(self.allocator)  # kept only once every leader has its rows
+            chosen = trial.allocate(self.progress, self.batch_size)
+            short = self._short(Counter(chosen))
+            if not short:
+                self.allocator = trial
+                return chosen
+            for name in short:
+                policy = self.when_exhausted[name]
+                where = f"mixture source {name!r} ran out at progress {self.progress:.0f} {self.schedule.unit}"
+                if policy == "end":
+                    log.info("%s: the epoch ends", where)
+                    return None
+                if name in restarted:
+                    raise RuntimeError(
+                        f"{where} in the new epoch it began at this step: it has fewer rows than a step takes "
+                        f"from it ({self.dp_size} replicas)"
+                    )
+                dropped = self.sources[name].drop()
+                if policy == "repeat":
+                    log.info("%s: a new epoch of it begins (%d rows queued here dropped)", where, dropped)
+                    self.sources[name].begin()
+                    restarted.add(name)
+                    continue
+                log.info("%s: it stops, the others share its weight (%d rows queued here dropped)", where, dropped)
+                self.allocator.exclude(name)
+                if not self.allocator.weights_at(self.progress):
+                    log.info("mixture: every source weighed now has stopped: the epoch ends")
+                    return None
+
+    def _short(self, need: Counter[str]) -> list[str]:
+        """The sources some leader lacks rows of for this step (this leader's alone when every
+        policy is "end": the loader's end of data then stops every rank at the same step)."""
+        mine = [name for name in sorted(need) if not self.sources[name].fill(need[name])]
+        if self.agreement is None:
+            return mine
+        _, heard = self.agreement.agree(lambda: (None, mine), "queued a mixture step's rows")
+        return sorted(set().union(*heard))
 
     def _step_progress(self) -> float:
         """One step's progress over every replica, in the schedule's unit."""
@@ -192,20 +321,15 @@ class MixtureStream:
         return {
             "mixture": self.allocator.state_dict(),
             "progress": self.progress,
-            "sources": {name: self._source_snapshot(name) for name in self.names},
+            "sources": {name: source.snapshot() for name, source in self.sources.items()},
         }
-
-    def _source_snapshot(self, name: str) -> Any:
-        if name in self._rows:
-            return self.streams[name].state_dict()
-        return self._resumed.get(name)  # not pulled since the resume (or at all): as it was
 
     def checkpoint_state(self, snapshot: Any) -> Any:
         """Each source's state over every leader (its own collective over the leaders), with the
         allocator's counters and the progress; sources held from a resumed state kept as saved."""
         if snapshot is None:
             return None
-        sources = {name: self.streams[name].checkpoint_state(s) for name, s in snapshot["sources"].items()}
+        sources = {name: self.sources[name].stream.checkpoint_state(s) for name, s in snapshot["sources"].items()}
         return {**snapshot, "sources": {**self._held, **sources}}
 
     def resume(self, state: Mapping[str, Any] | None, steps: int) -> None:
@@ -218,30 +342,39 @@ class MixtureStream:
         for line in changes:
             log.info("mixture resumed under an edited schedule: %s", line)
         saved = dict(state["sources"])
-        self._held = {name: s for name, s in saved.items() if name not in self.streams}
-        self._resumed = {name: saved.get(name) for name in self.names}
-        for name in self.names:
-            self.streams[name].resume(saved.get(name), steps)
+        self._held = {name: s for name, s in saved.items() if name not in self.sources}
+        for name, source in self.sources.items():
+            source.start = saved.get(name)
+            source.stream.resume(saved.get(name), steps)
 
     # --- the rest of the Source protocol ------------------------------------------------------------
 
     def stop(self) -> None:
-        for stream in self.streams.values():
-            stream.stop()
+        for source in self.sources.values():
+            source.stream.stop()
 
     def stats(self) -> dict[str, float]:
-        """Per source ``name``: ``mixture/name/rows``, ``/tokens`` (real tokens this leader
-        delivered), ``/share`` (of this leader's real tokens) and ``/weight`` (now)."""
+        """Per source ``name``: ``mixture/name/rows``, ``/tokens`` (real tokens), ``/documents``
+        (begun) this leader delivered; ``/share`` (of this leader's real tokens) against
+        ``/target`` (the scheduled share of the rows so far) and ``/weight`` (now);
+        ``/epochs`` begun, ``/dropped_rows`` (queued when an epoch ended early)."""
         total = sum(c["tokens"] for c in self._counts.values()) or 1
-        weights = self.schedule.weights_at(self.progress)
+        targets = self.allocator.targets
+        slots = sum(targets.values()) or 1.0
+        weights = self.allocator.weights_at(self.progress)
         out: dict[str, float] = {}
         for name, counts in self._counts.items():
+            source = self.sources[name]
             out[f"mixture/{name}/rows"] = counts["rows"]
             out[f"mixture/{name}/tokens"] = counts["tokens"]
+            out[f"mixture/{name}/documents"] = counts["documents"]
             out[f"mixture/{name}/share"] = counts["tokens"] / total
+            out[f"mixture/{name}/target"] = targets.get(name, 0.0) / slots
             out[f"mixture/{name}/weight"] = weights.get(name, 0.0)
+            out[f"mixture/{name}/epochs"] = source.epochs
+            out[f"mixture/{name}/dropped_rows"] = source.dropped
         return out
 
     def close(self) -> None:
-        for stream in self.streams.values():
-            stream.close()
+        for source in self.sources.values():
+            source.stream.close()

@@ -103,6 +103,8 @@ from typing import Any, Literal
 
 Unit = Literal["tokens", "steps"]
 UNITS = ("tokens", "steps")
+WhenExhausted = Literal["end", "repeat", "stop"]
+WHEN_EXHAUSTED = ("end", "repeat", "stop")
 STATE_VERSION = 1
 _SLACK = 1e-9  # rounding allowed at the eligibility threshold (deficits stay within (-1, 1))
 
@@ -560,7 +562,8 @@ def read_mixture(path: str | Path) -> tuple[dict[str, dict[str, Any]], MixtureSc
     """A mixture from a ``.json`` or ``.toml`` file: its sources and its schedule. Errors name the file.
 
     A ``sources`` table holds one table per source, that source's ``StreamingDataset`` arguments
-    (``local``, ``remote``, ``shuffle``, ...); beside it, the schedule's keys
+    (``local``, ``remote``, ``shuffle``, ...) and, optionally, what happens when it runs out
+    (``when_exhausted``: :func:`when_exhausted_of`); beside it, the schedule's keys
     (:func:`mixture_schedule_from_mapping`)::
 
         unit = "tokens"
@@ -571,6 +574,7 @@ def read_mixture(path: str | Path) -> tuple[dict[str, dict[str, Any]], MixtureSc
         [sources.code]
         remote = "s3://bucket/code"
         local = "/cache/code"
+        when_exhausted = "repeat"
 
     Every source the schedule weighs needs a table.
     """
@@ -592,10 +596,30 @@ def read_mixture(path: str | Path) -> tuple[dict[str, dict[str, Any]], MixtureSc
     if bad:
         raise ValueError(f"{where}: sources {bad} must be tables of StreamingDataset arguments (local = ..., ...)")
     schedule = mixture_schedule_from_mapping(data, where)
+    when_exhausted_of(sources, where)
     missing = sorted(set(schedule.sources) - set(sources))
     if missing:
         raise ValueError(f"{where}: the schedule weighs {missing}, which the sources table does not describe")
     return {str(name): dict(table) for name, table in sources.items()}, schedule
+
+
+def when_exhausted_of(sources: Mapping[str, Mapping[str, Any]], where: str = "mixture") -> dict[str, WhenExhausted]:
+    """Each source's policy for when it runs out, from the ``when_exhausted`` key of its table
+    (``"end"`` when absent): ``"end"`` the epoch, for every source; ``"repeat"`` it, in a new
+    shuffled epoch; ``"stop"`` it and share its weight among the others.
+
+    >>> when_exhausted_of({"web": {"local": "/d/web"}, "code": {"local": "/d/code", "when_exhausted": "repeat"}})
+    {'web': 'end', 'code': 'repeat'}
+    """
+    out: dict[str, WhenExhausted] = {}
+    for name, table in sources.items():
+        policy = table.get("when_exhausted", "end")
+        if policy not in WHEN_EXHAUSTED:
+            raise ValueError(
+                f"{where}: sources.{name}.when_exhausted must be one of {', '.join(WHEN_EXHAUSTED)}; got {policy!r}"
+            )
+        out[str(name)] = policy
+    return out
 
 
 def _parse(text: str, format: Literal["json", "toml"], where: str) -> Mapping[str, Any]:

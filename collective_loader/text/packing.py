@@ -81,10 +81,17 @@ class Packing:
 @dataclass
 class Row:
     """One row's real tokens, ``(n,)`` int64 with ``n == seq_len + 1`` except an epoch's last row,
-    and the lengths of the document pieces they are made of, in order (summing to ``n``)."""
+    and the lengths of the document pieces they are made of, in order (summing to ``n``);
+    ``continued``: its first piece is the rest of a document begun in an earlier row."""
 
     tokens: np.ndarray
     pieces: list[int]
+    continued: bool = False
+
+    @property
+    def documents(self) -> int:
+        """The documents this row begins."""
+        return len(self.pieces) - self.continued
 
 
 @dataclass
@@ -145,7 +152,8 @@ class Packer:
 
     def _take(self, n: int) -> Row:
         parts, pieces = [], []
-        if self._pending and self._pending[0].offset:
+        continued = bool(self._pending and self._pending[0].offset)
+        if continued:
             self.stats.carried += min(n, len(self._pending[0].tokens) - self._pending[0].offset)
         while n:
             doc = self._pending[0]
@@ -160,7 +168,7 @@ class Packer:
         self._count -= len(tokens)
         self.stats.rows += 1
         self.stats.tokens += len(tokens)
-        return Row(tokens, pieces)
+        return Row(tokens, pieces, continued)
 
 
 def _segments(row: Row, seq_len: int) -> list[int]:

@@ -1,15 +1,20 @@
 """Data mixtures on a schedule (issue 38), over real StreamingDatasets on MDS shards written here.
 
 Two sources of numbered token documents whose lengths differ tenfold: ``short`` (10-60 tokens)
-and ``long`` (200-800); a third, ``extra``, joins in an edited schedule. Every token says which
-source and document it came from, so the checks count tokens, not samples:
+and ``long`` (200-800); ``extra`` joins in an edited schedule; ``tiny`` (12 short documents) runs
+out within a few steps. Every token says which source and document it came from, so the checks
+count tokens, not samples. One world of 4 ranks, meshes dp x tp with dp = 1, 2, 4 at the same
+global batch (8 rows of 32 tokens per step):
 
-* the shares of real tokens follow the schedule over every window of 8 steps, where streaming's
-  own ``Stream(proportion=0.5)`` twice gives the long source ~93% of the tokens;
-* ``source_id`` names each row's source;
-* a resume at the same DP degree continues bit-identically; a resume under an edited schedule
-  (other weights, a source added) continues every source from its own cursor, trains no token
-  twice, and follows the new weights.
+* the shares of real tokens follow each schedule (constant, two phases, a ramp) over every window
+  of 8 steps, within the allocator's bound, at dp 1, 2 and 4; ``source_id`` names each row's source;
+* a resume at the same DP degree continues bit-identically (also after a source began a new
+  epoch); under an edited schedule (other weights, a source added) every source continues from
+  its own cursor and no token is trained twice; at another DP degree (2 -> 1, 2 -> 4) no token is
+  trained twice and every document begun is finished;
+* each policy for a source that runs out: a new shuffled epoch, stop and share its weight, end
+  the epoch (on every rank at the same step);
+* per-document context-parallel splits of mixed rows reassemble to rows of one source each.
 """
 
 from __future__ import annotations
@@ -20,29 +25,36 @@ from itertools import islice
 import numpy as np
 import pytest
 import ranks
+import torch
 import torch.distributed as dist
 from text_rows import row_tokens
-from world import World
 
-from collective_loader import CollectiveLoader
+from collective_loader import CollectiveLoader, PerDocument
 from collective_loader.streaming import MixtureSource
 from collective_loader.testing.data import write_token_documents
-from collective_loader.text import MixtureSchedule, Packing, TokenColumn
+from collective_loader.text import MixtureSchedule, Packing, Phase, TokenColumn
 
-SEQ_LEN, ROWS, DOCS_PER_BATCH = 32, 2, 4
+SEQ_LEN, GLOBAL_ROWS, GLOBAL_DOCS, RANKS = 32, 8, 16, 4
 # token ranges per source (uint16): which source a token came from is its range
-BASE = {"short": 0, "long": 20000, "extra": 45000}
-STRIDE = {"short": 64, "long": 1024, "extra": 64}
+BASE = {"short": 0, "long": 20000, "extra": 45000, "tiny": 64600}
+STRIDE = {"short": 64, "long": 1024, "extra": 64, "tiny": 64}
 LENGTHS = {
     "short": np.random.default_rng(1).integers(10, 61, size=300).tolist(),
     "long": np.random.default_rng(2).integers(200, 801, size=24).tolist(),
     "extra": np.random.default_rng(3).integers(10, 61, size=300).tolist(),
+    "tiny": np.random.default_rng(4).integers(10, 61, size=12).tolist(),
 }
 KEYS = dict(inputs=("input_ids", "position_ids", "sequence_id"), labels=("labels", "source_id"))
+STEP_TOKENS = GLOBAL_ROWS * SEQ_LEN  # progress per step, in tokens over every replica
 
 
 def source_of(token: int) -> str:
     return max((b, n) for n, b in BASE.items() if token >= b)[1]
+
+
+def document_of(token: int) -> tuple[str, int]:
+    name = source_of(token)
+    return name, (token - BASE[name]) // STRIDE[name]
 
 
 @pytest.fixture(scope="module")
@@ -57,29 +69,33 @@ def data(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def world():
-    w = World(2)
-    yield w
-    w.close()
+def world(worlds):
+    return worlds.get(RANKS)
 
 
-def build(data: dict[str, str], schedule: MixtureSchedule, dp: int = 2) -> CollectiveLoader:
-    """dp replicas over the 2 ranks (at dp=1 the second rank is a tp peer of the leader), with the
-    same global batch: rows and documents per replica scale with 2 / dp."""
-    mesh = ranks.make_mesh(("dp", "tp"), (dp, 2 // dp))
+def mixture(data: dict[str, str], names: tuple[str, ...], schedule: MixtureSchedule, dp: int, **policies: str):
+    """A MixtureSource of ``names`` over dp replicas of the 4 ranks (tp peers fill the rest), at
+    the same global batch whatever dp: rows and documents per replica scale with 1 / dp."""
+    mesh = ranks.make_mesh(("dp", "tp"), (dp, RANKS // dp))
     sources = {
-        name: {"local": path, "shuffle": True, "shuffle_seed": 7, "num_canonical_nodes": 2}
-        for name, path in data.items()
+        name: {"local": data[name], "shuffle": True, "shuffle_seed": 7, "num_canonical_nodes": 4}
+        | ({"when_exhausted": policies[name]} if name in policies else {})
+        for name in names
     }
-    source = MixtureSource(
+    boundaries = ("position_ids", "sequence_id")
+    return mesh, MixtureSource(
         mesh,
         sources,
         schedule,
-        batch_size=ROWS * 2 // dp,
-        packing=Packing(SEQ_LEN, "pad", ("position_ids", "sequence_id")),
+        batch_size=GLOBAL_ROWS // dp,
+        packing=Packing(SEQ_LEN, "pad", boundaries),
         layout=TokenColumn(dtype="uint16"),
-        documents_per_batch=DOCS_PER_BATCH * 2 // dp,
+        documents_per_batch=GLOBAL_DOCS // dp,
     )
+
+
+def build(data, names, schedule, dp: int = 2, **policies: str) -> CollectiveLoader:
+    mesh, source = mixture(data, names, schedule, dp, **policies)
     return CollectiveLoader(source, mesh, **KEYS)
 
 
@@ -88,59 +104,86 @@ def rows_of(batch) -> list[tuple[int, list[int]]]:
     return [(int(s), t.tolist()) for s, t in zip(batch["source_id"], row_tokens(batch))]
 
 
+TWO = ("long", "short")  # MixtureSource.names: sorted
 HALF = MixtureSchedule.constant({"short": 0.5, "long": 0.5})
 EDITED = MixtureSchedule.constant({"short": 0.2, "long": 0.3, "extra": 0.5})
+A, B = {"short": 0.8, "long": 0.2}, {"short": 0.2, "long": 0.8}
+SCHEDULES = {
+    "constant": HALF,
+    "phases": MixtureSchedule((Phase(0, A), Phase(12 * STEP_TOKENS, B))),
+    "ramp": MixtureSchedule((Phase(0, A), Phase(16 * STEP_TOKENS, B, ramp=8 * STEP_TOKENS))),
+}
+STEPS = 24
 
 
-def mixed_run(data: dict[str, str], steps: int) -> dict:
-    loader = build({k: v for k, v in data.items() if k != "extra"}, HALF)
-    out = [rows_of(b) for b in islice(loader, steps)]
-    stats = loader.stats()
-    loader.close()
-    return {"rows": out, "stats": {k: v for k, v in stats.items() if k.startswith("mixture/")}}
+def shares_run(data: dict[str, str]) -> dict:
+    """Every schedule at dp 1, 2, 4: each leader's rows (None elsewhere) and its stats."""
+    out = {}
+    for dp in (1, 2, 4):
+        for name, schedule in SCHEDULES.items():
+            loader = build(data, TWO, schedule, dp)
+            rows = [rows_of(b) for b in islice(loader, STEPS)]
+            stats = loader.stats()
+            leader = loader.is_leader
+            loader.close()
+            out[(name, dp)] = {"rows": rows, "stats": stats} if leader else None
+    return out
 
 
-def test_shares_of_tokens_follow_the_weights_in_every_window(world, data):
-    steps = 40
-    results = world.run(mixed_run, data, steps, timeout=180)
-    names = ("long", "short")  # MixtureSource.names: sorted
-    for dp_rank, r in enumerate(results):
-        assert len(r["rows"]) == steps
-        for step_rows in r["rows"]:
-            for source_id, tokens in step_rows:
-                assert tokens and {source_of(t) for t in tokens} == {names[source_id]}, (dp_rank, source_id)
-        assert abs(r["stats"]["mixture/long/share"] - 0.5) < 0.02, r["stats"]
-    # both replicas took the same sources for their rows, step by step
-    assert [[s for s, _ in rows] for rows in results[0]["rows"]] == [
-        [s for s, _ in rows] for rows in results[1]["rows"]
-    ]
-    # every window of 8 steps: each source's real tokens over both replicas within 2 rows of half
-    per_step = [
-        Counter({names[s]: len(t) for s, t in rows0 + rows1})
-        for rows0, rows1 in zip(results[0]["rows"], results[1]["rows"])
-    ]
-    for start in range(steps - 8 + 1):
-        window = sum(per_step[start : start + 8], Counter())
-        total = sum(window.values())
-        assert abs(window["long"] - total / 2) <= 2 * 2 * (SEQ_LEN + 1), (start, window)
+def test_shares_of_tokens_follow_each_schedule_in_every_window_at_dp_1_2_4(world, data):
+    results = world.run(shares_run, data, timeout=300)
+    for (name, dp), _ in results[0].items():
+        schedule = SCHEDULES[name]
+        leaders = [r[(name, dp)] for r in results if r[(name, dp)] is not None]
+        assert len(leaders) == dp
+        for leader in leaders:
+            assert len(leader["rows"]) == STEPS
+            for step_rows in leader["rows"]:
+                for source_id, tokens in step_rows:
+                    assert tokens and {source_of(t) for t in tokens} == {TWO[source_id]}, (name, dp, source_id)
+            stats = leader["stats"]
+            assert stats["mixture/long/documents"] > 0 and stats["mixture/short/documents"] > 0, stats
+            assert abs(stats["mixture/long/share"] - stats["mixture/long/target"]) < 0.05, stats
+        # every replica takes the same sources for its rows, step by step
+        sources = [[[s for s, _ in rows] for rows in leader["rows"]] for leader in leaders]
+        assert all(s == sources[0] for s in sources), (name, dp)
+        # every window of 8 steps: the long source's real tokens over every replica against the
+        # weights at the window's step starts (what the allocator samples), within its bound: one
+        # row per replica for two sources at constant weights, 1.5 measured when the weights change
+        per_step = [Counter() for _ in range(STEPS)]
+        for leader in leaders:
+            for step, rows in enumerate(leader["rows"]):
+                for s, tokens in rows:
+                    per_step[step][TWO[s]] += len(tokens)
+        bound = (1.0 if name == "constant" else 1.5) * dp * (SEQ_LEN + 1)
+        for start in range(STEPS - 8 + 1):
+            window = sum(per_step[start : start + 8], Counter())
+            total = sum(window.values())
+            weight = np.mean(
+                [schedule.weights_at(step * STEP_TOKENS).get("long", 0.0) for step in range(start, start + 8)]
+            )
+            assert abs(window["long"] - weight * total) <= bound, (name, dp, start, window, weight)
 
 
-def resumed_run(data: dict[str, str], before: int, after: int, edit: bool) -> dict:
-    """``before`` steps, a checkpoint, then ``after`` steps resumed (under EDITED when ``edit``);
-    and the uninterrupted run of ``before + after`` steps."""
-    two = {k: v for k, v in data.items() if k != "extra"}
-    loader = build(two, HALF)
+def resumed_run(data: dict[str, str], before: int, after: int, edit: bool, **policies: str) -> dict:
+    """``before`` steps at dp=2, a checkpoint, then ``after`` steps resumed (under EDITED when
+    ``edit``); and the uninterrupted run of ``before + after`` steps (and its stats, on a leader)."""
+    names = ("long", "tiny") if policies else TWO
+    schedule = MixtureSchedule.constant(dict.fromkeys(names, 0.5))
+    loader = build(data, names, schedule, **policies)
     whole = [rows_of(b) for b in islice(loader, before + after)]
+    stats = loader.stats() if loader.is_leader else None
     loader.close()
-    loader = build(two, HALF)
+    loader = build(data, names, schedule, **policies)
     first = [rows_of(b) for b in islice(loader, before)]
     state = loader.state_dict()
     loader.close()
-    loader = build(data if edit else two, EDITED if edit else HALF)
+    loader = build(data, ("extra", *names) if edit else names, EDITED if edit else schedule, **policies)
     loader.load_state_dict(state)
     second = [rows_of(b) for b in islice(loader, after)]
+    leader = loader.is_leader
     loader.close()
-    return {"whole": whole, "first": first, "second": second, "rank": dist.get_rank()}
+    return {"whole": whole, "first": first, "second": second, "rank": dist.get_rank(), "stats": stats, "leader": leader}
 
 
 def test_a_resume_continues_bit_identically(world, data):
@@ -148,49 +191,163 @@ def test_a_resume_continues_bit_identically(world, data):
         assert r["first"] + r["second"] == r["whole"], r["rank"]
 
 
+def test_a_resume_after_a_source_began_a_new_epoch_continues_bit_identically(world, data):
+    # tiny runs out at about step 6 (a row per replica and step); the checkpoint is after it
+    for r in world.run(resumed_run, data, 9, 5, False, tiny="repeat", timeout=240):
+        assert r["first"] + r["second"] == r["whole"], r["rank"]
+        if r["stats"]:
+            assert r["stats"]["mixture/tiny/epochs"] >= 2, r["stats"]
+
+
 def test_a_resume_under_an_edited_schedule_continues_every_source_and_repeats_nothing(world, data):
     results = world.run(resumed_run, data, 6, 16, True, timeout=240)
     names = ("extra", "long", "short")  # the edited run's sources, sorted
     trained = Counter()
-    for r in results:
+    for r in (r for r in results if r["leader"]):  # the tp peers got copies
         for rows in r["first"]:  # the first part ran with ("long", "short")
             for s, tokens in rows:
                 trained.update(tokens)
-                assert {source_of(t) for t in tokens} == {("long", "short")[s]}
+                assert {source_of(t) for t in tokens} == {TWO[s]}
         for rows in r["second"]:
             for s, tokens in rows:
                 trained.update(tokens)
                 assert {source_of(t) for t in tokens} == {names[s]}
     assert max(trained.values()) == 1  # no token trained twice, across the resume
-    after = Counter(names[s] for r in results for rows in r["second"] for s, _ in rows)
+    # per replica, the second part's rows follow the new weights within the allocator's bound
+    after = Counter(names[s] for rows in results[0]["second"] for s, _ in rows)
     total = sum(after.values())
     for name, weight in (("extra", 0.5), ("long", 0.3), ("short", 0.2)):
-        assert abs(after[name] - weight * total) <= 2 * 2, (name, after)
+        assert abs(after[name] - weight * total) <= 2, (name, after)
 
 
-def dp_change_run(data: dict[str, str], before: int, after: int) -> dict:
-    """``before`` steps at dp=2, a checkpoint, ``after`` steps resumed at dp=1 (what the leaders
-    trained; None on the other rank of the dp=1 run)."""
-    two = {k: v for k, v in data.items() if k != "extra"}
-    loader = build(two, HALF, dp=2)
+def dp_change_run(data: dict[str, str], before: int, after: int, dp_after: int) -> dict:
+    """``before`` steps at dp=2, a checkpoint, ``after`` steps resumed at ``dp_after`` (what the
+    leaders trained; None elsewhere)."""
+    loader = build(data, TWO, HALF, dp=2)
     first = [rows_of(b) for b in islice(loader, before)]
+    first_leader = loader.is_leader
     state = loader.state_dict()
     loader.close()
-    loader = build(two, HALF, dp=1)
+    loader = build(data, TWO, HALF, dp=dp_after)
     loader.load_state_dict(state)
     second = [rows_of(b) for b in islice(loader, after)]
     leader = loader.is_leader
     loader.close()
-    return {"first": first, "second": second if leader else None}
+    return {"first": first if first_leader else None, "second": second if leader else None}
 
 
-def test_a_resume_at_another_dp_degree_trains_no_token_twice_and_finishes_every_document_begun(world, data):
-    results = world.run(dp_change_run, data, 6, 30, timeout=240)
-    trained = Counter(t for r in results for rows in r["first"] for _, tokens in rows for t in tokens)
-    begun = {(source_of(t), (t - BASE[source_of(t)]) // STRIDE[source_of(t)]) for t in trained}
+@pytest.mark.parametrize("dp_after", [1, 4])
+def test_a_resume_at_another_dp_degree_trains_no_token_twice_and_finishes_every_document_begun(world, data, dp_after):
+    results = world.run(dp_change_run, data, 6, {1: 60, 4: 40}[dp_after], dp_after, timeout=240)
+    trained = Counter(t for r in results if r["first"] for rows in r["first"] for _, tokens in rows for t in tokens)
+    begun = {document_of(t) for t in trained}
     trained.update(t for r in results if r["second"] for rows in r["second"] for _, tokens in rows for t in tokens)
     assert max(trained.values()) == 1  # across the resume, at another DP degree
     for name, doc in begun:  # every document begun before the checkpoint is trained to its end after it
         tokens = BASE[name] + doc * STRIDE[name] + np.arange(LENGTHS[name][doc])
         missing = [int(t) for t in tokens if trained[int(t)] == 0]
         assert not missing, (name, doc, len(missing))
+
+
+def policy_run(data: dict[str, str], policy: str, steps: int) -> dict:
+    """``short`` at 3/4 and ``tiny`` at 1/4 (a row per replica and step), dp=2: ``tiny`` runs out
+    at about step 6."""
+    schedule = MixtureSchedule.constant({"short": 0.75, "tiny": 0.25})
+    loader = build(data, ("short", "tiny"), schedule, tiny=policy)
+    rows = [rows_of(b) for b in islice(loader, steps)]
+    stats = loader.stats()
+    leader = loader.is_leader
+    loader.close()
+    return {"rows": rows, "stats": stats if leader else None}
+
+
+def test_a_repeated_source_begins_a_new_shuffled_epoch_on_every_leader_at_the_same_step(world, data):
+    results = world.run(policy_run, data, "repeat", 20, timeout=240)
+    leaders = [r for r in results if r["stats"]]
+    assert all(len(r["rows"]) == 20 for r in results)  # no end, no hang at the restart
+    # each replica's tiny documents, in the order it trained them; each epoch once each
+    order = [
+        [document_of(t) for rows in r["rows"] for s, tokens in rows if s == 1 for t in tokens[:1]] for r in leaders
+    ]
+    epochs = {int(r["stats"]["mixture/tiny/epochs"]) for r in leaders}
+    assert len(epochs) == 1 and min(epochs) >= 3, epochs  # 20 rows of tiny per replica, ~6 per epoch
+    trained = Counter(t for r in leaders for rows in r["rows"] for s, tokens in rows if s == 1 for t in tokens)
+    per_epoch = sum(LENGTHS["tiny"])
+    assert sum(trained.values()) > 2 * per_epoch  # it came back
+    assert max(trained.values()) <= max(epochs)  # at most once per epoch
+    assert order[0] != order[1]  # the replicas read different parts
+    # the rows keep following the weights: three rows of short and one of tiny per replica and step
+    for r in leaders:
+        assert all(sorted(s for s, _ in rows) == [0, 0, 0, 1] for rows in r["rows"])
+
+
+def test_a_stopped_source_shares_its_weight_and_the_run_goes_on(world, data):
+    results = world.run(policy_run, data, "stop", 20, timeout=240)
+    leaders = [r for r in results if r["stats"]]
+    assert all(len(r["rows"]) == 20 for r in results)
+    last_tiny = [max(i for i, rows in enumerate(r["rows"]) if any(s == 1 for s, _ in rows)) for r in leaders]
+    assert len(set(last_tiny)) == 1 and 3 <= last_tiny[0] < 12, last_tiny  # stopped at the same step everywhere
+    for r in leaders:
+        after = r["rows"][last_tiny[0] + 1 :]
+        assert after and all(s == 0 for rows in after for s, _ in rows)
+        assert r["stats"]["mixture/tiny/weight"] == 0.0 and r["stats"]["mixture/short/weight"] == 1.0
+    trained = Counter(t for r in leaders for rows in r["rows"] for _, tokens in rows for t in tokens)
+    assert max(trained.values()) == 1
+
+
+def test_a_source_that_ends_the_epoch_ends_it_on_every_rank_at_the_same_step(world, data):
+    results = world.run(policy_run, data, "end", 20, timeout=240)
+    lengths = {len(r["rows"]) for r in results}
+    assert len(lengths) == 1 and 3 <= min(lengths) < 12, lengths
+
+
+def cp_run(data: dict[str, str]) -> dict:
+    """dp=2 x cp=2, documents split per document over the cp ranks: what each rank got."""
+    mesh = ranks.make_mesh(("dp", "cp"), (2, 2))
+    schedule = MixtureSchedule.constant({"short": 0.5, "long": 0.5})
+    sources = {name: {"local": data[name], "shuffle": False, "num_canonical_nodes": 4} for name in TWO}
+    source = MixtureSource(
+        mesh,
+        sources,
+        schedule,
+        batch_size=2,
+        packing=Packing(SEQ_LEN, "pad", ("position_ids", "cu_seqlens")),
+        layout=TokenColumn(dtype="uint16"),
+        documents_per_batch=4,
+    )
+    loader = CollectiveLoader(
+        source,
+        mesh,
+        inputs=("input_ids", "position_ids"),
+        labels=("labels", "source_id"),
+        every_stage=("cu_seqlens",),
+        seq_dims={"input_ids": 1, "position_ids": 1, "labels": 1},
+        split=PerDocument(cu_seqlens="cu_seqlens", positions="position_ids"),
+    )
+    steps = [dict(b) for b in islice(loader, 6)]
+    place = loader.place
+    loader.close()
+    return {"dp_rank": place.dp_rank, "shard": place.shard, "steps": steps}
+
+
+def test_per_document_context_parallel_splits_of_mixed_rows_reassemble(world, data):
+    records = world.run(cp_run, data, timeout=240)
+    split = PerDocument(cu_seqlens="cu_seqlens", positions="position_ids")
+    for dp_rank in (0, 1):
+        mine = sorted((r for r in records if r["dp_rank"] == dp_rank), key=lambda r: r["shard"])
+        assert len(mine) == 2 and len(mine[0]["steps"]) == 6
+        for step in range(6):
+            pieces = [r["steps"][step] for r in mine]
+            assert torch.equal(pieces[0]["source_id"], pieces[1]["source_id"])
+            assert torch.equal(pieces[0]["cu_seqlens"], pieces[1]["cu_seqlens"])
+            batch = pieces[0]
+            rows = len(batch["source_id"])
+            inputs = split.unshard([p["input_ids"] for p in pieces], [2], 1, batch).reshape(rows, SEQ_LEN)
+            labels = split.unshard([p["labels"] for p in pieces], [2], 1, batch).reshape(rows, SEQ_LEN)
+            for row in range(rows):
+                real = labels[row] != -100
+                assert torch.equal(
+                    labels[row][:-1][real[:-1]], inputs[row][1:][real[:-1]]
+                )  # labels are the next tokens
+                tokens = inputs[row][inputs[row] != 0].tolist() + labels[row][real].tolist()
+                assert {source_of(t) for t in tokens} == {TWO[int(batch["source_id"][row])]}, (dp_rank, step, row)
