@@ -170,7 +170,16 @@ def stalled_source(stall_on_dp: int, where: str, at: int):
 
 
 # every call into the source is watched: its first iter(), each next() and state_dict(), a resume
-@pytest.mark.parametrize("where,at", [("next", 4), ("state_dict", 4), ("iter", 0), ("load_state_dict", 0)])
+# (each waits out the watchdog's timeout: state_dict and load_state_dict, the same watch, are slow)
+@pytest.mark.parametrize(
+    "where,at",
+    [
+        ("next", 4),
+        pytest.param("state_dict", 4, marks=pytest.mark.slow),
+        ("iter", 0),
+        pytest.param("load_state_dict", 0, marks=pytest.mark.slow),
+    ],
+)
 def test_stalled_leader_is_reported_as_still_loading(worlds, where, at):
     records = worlds.get(8).run(stalled_source, 1, where, at, timeout=TIMEOUT + 3 * SLACK)
     leader = MeshLayout.build(*MESH, range(8)).leaders()[1]
