@@ -115,6 +115,11 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
         ``remote``. Every source is packed: add ``pack`` (token ids) or ``text``. ``shuffle``,
         ``shuffle_seed`` and ``num_canonical_nodes`` are each source's unless its table sets them."""
 
+        mixture_allow_edit: bool = False
+        """Resume a checkpoint saved under another schedule in the mixture file (its future edited:
+        other weights, a source added or dropped); without it such a resume is refused, naming
+        what changed."""
+
         remote: str | None = None
         """Where streaming downloads shards from into ``dataset_path`` (None: local only)."""
 
@@ -204,6 +209,7 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
                 num_workers=config.num_workers,
                 stage_style=config._stage_style,
                 timeout=config.timeout,
+                allow_edit=config.mixture_allow_edit,
             )
             build: Any = functools.partial(_checked_mixture, mixture, layout)
             inputs: tuple[str, ...] = (*PACKED_KEYS, SOURCE_ID)

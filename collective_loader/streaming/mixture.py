@@ -11,8 +11,8 @@ DP degree. Every replica takes the same sources for its rows: each consumes its 
 source at the scheduled rate, so the leaders' parts (as many documents each) run out together,
 and a replica's rows do not depend on how its steps are cut into micro-batches. Each source keeps its own cursor (its
 packing stream's state), saved in the loader's state, so a resume continues each source where
-it was, also at another DP degree and after the schedule's future was edited (other weights, a
-source added or dropped: logged at INFO)::
+it was, also at another DP degree and, with ``allow_edit=True``, after the schedule's future was
+edited (other weights, a source added or dropped: logged at INFO)::
 
     schedule = MixtureSchedule((Phase(0, {"web": 0.7, "code": 0.3}), Phase(8e6, {"web": 0.2, "math": 0.8}, ramp=1e6)))
     source = MixtureSource(mesh, {"web": {"local": "/data/web"},
@@ -74,6 +74,9 @@ class MixtureSource:
         layout: where a sample's tokens are, the same for every source.
         documents_per_batch, num_workers, placement, stage_style, clean_stale, timeout,
         dataloader_kwargs: as for ``StreamingSource``, for every source.
+        allow_edit: resume a state saved under another schedule (its future edited: other weights,
+            a source added or dropped; each change logged at INFO). Without it such a state is
+            refused, naming what changed.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class MixtureSource:
         clean_stale: bool = False,
         timeout: float = 600.0,
         dataloader_kwargs: Mapping[str, Any] | None = None,
+        allow_edit: bool = False,
     ) -> None:
         missing = sorted(set(schedule.sources) - set(sources))
         if missing:
@@ -102,7 +106,7 @@ class MixtureSource:
             raise ValueError(f"batch_size must be >= 1 row per replica and step, got {batch_size}")
         self.when_exhausted = when_exhausted_of(sources, "MixtureSource")
         self.names: tuple[str, ...] = tuple(sorted(sources))
-        self.schedule, self.batch_size, self.packing = schedule, batch_size, packing
+        self.schedule, self.batch_size, self.packing, self.allow_edit = schedule, batch_size, packing, allow_edit
         self._sources = {
             name: StreamingSource(
                 mesh,
@@ -141,6 +145,7 @@ class MixtureSource:
             self.packing,
             self.place.dp_size,
             self.when_exhausted,
+            self.allow_edit,
             self._agreement if self._agreement is not None and self._agreement.group is not None else None,
         )
 
@@ -227,13 +232,14 @@ class MixtureStream:
         packing: Packing,
         dp_size: int,
         when_exhausted: Mapping[str, WhenExhausted],
+        allow_edit: bool,
         agreement: LeaderGroup | None,
     ) -> None:
         self.sources = {name: _SourceRows(streams[name]) for name in sorted(streams)}
         self.names = tuple(self.sources)
         self.schedule, self.batch_size, self.packing = schedule, batch_size, packing
         self.dp_size = dp_size
-        self.when_exhausted = dict(when_exhausted)
+        self.when_exhausted, self.allow_edit = dict(when_exhausted), allow_edit
         self.agreement = agreement
         self.allocator = RowAllocator(schedule)
         self.progress = 0.0  # in the schedule's unit, over every replica
@@ -337,7 +343,7 @@ class MixtureStream:
             return
         self.progress = float(state["progress"])  # where the next step starts
         changes = self.allocator.load_state_dict(
-            state["mixture"], self.schedule, allow_edit=True, progress=self.progress
+            state["mixture"], self.schedule, allow_edit=self.allow_edit, progress=self.progress
         )
         for line in changes:
             log.info("mixture resumed under an edited schedule: %s", line)

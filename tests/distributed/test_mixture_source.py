@@ -73,7 +73,14 @@ def world(worlds):
     return worlds.get(RANKS)
 
 
-def mixture(data: dict[str, str], names: tuple[str, ...], schedule: MixtureSchedule, dp: int, **policies: str):
+def mixture(
+    data: dict[str, str],
+    names: tuple[str, ...],
+    schedule: MixtureSchedule,
+    dp: int,
+    allow_edit: bool = False,
+    **policies: str,
+):
     """A MixtureSource of ``names`` over dp replicas of the 4 ranks (tp peers fill the rest), at
     the same global batch whatever dp: rows and documents per replica scale with 1 / dp."""
     mesh = ranks.make_mesh(("dp", "tp"), (dp, RANKS // dp))
@@ -91,11 +98,12 @@ def mixture(data: dict[str, str], names: tuple[str, ...], schedule: MixtureSched
         packing=Packing(SEQ_LEN, "pad", boundaries),
         layout=TokenColumn(dtype="uint16"),
         documents_per_batch=GLOBAL_DOCS // dp,
+        allow_edit=allow_edit,
     )
 
 
-def build(data, names, schedule, dp: int = 2, **policies: str) -> CollectiveLoader:
-    mesh, source = mixture(data, names, schedule, dp, **policies)
+def build(data, names, schedule, dp: int = 2, allow_edit: bool = False, **policies: str) -> CollectiveLoader:
+    mesh, source = mixture(data, names, schedule, dp, allow_edit, **policies)
     return CollectiveLoader(source, mesh, **KEYS)
 
 
@@ -178,7 +186,7 @@ def resumed_run(data: dict[str, str], before: int, after: int, edit: bool, **pol
     first = [rows_of(b) for b in islice(loader, before)]
     state = loader.state_dict()
     loader.close()
-    loader = build(data, ("extra", *names) if edit else names, EDITED if edit else schedule, **policies)
+    loader = build(data, ("extra", *names) if edit else names, EDITED if edit else schedule, 2, edit, **policies)
     loader.load_state_dict(state)
     second = [rows_of(b) for b in islice(loader, after)]
     leader = loader.is_leader
@@ -218,6 +226,29 @@ def test_a_resume_under_an_edited_schedule_continues_every_source_and_repeats_no
     total = sum(after.values())
     for name, weight in (("extra", 0.5), ("long", 0.3), ("short", 0.2)):
         assert abs(after[name] - weight * total) <= 2, (name, after)
+
+
+def unasked_edit_run(data: dict[str, str]) -> dict:
+    """A state saved under HALF loaded under EDITED without ``allow_edit``: what each rank raised."""
+    loader = build(data, TWO, HALF)
+    list(islice(loader, 3))
+    state = loader.state_dict()
+    loader.close()
+    loader = build(data, ("extra", *TWO), EDITED)
+    try:
+        loader.load_state_dict(state)
+        next(iter(loader))
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    finally:
+        loader.close()
+    return {"error": None}
+
+
+def test_an_edited_schedule_is_refused_on_every_rank_unless_allowed(world, data):
+    for r in world.run(unasked_edit_run, data, timeout=240):
+        assert r["error"] is not None, r
+        assert "allow_edit=True" in r["message"] and "extra" in r["message"], r
 
 
 def dp_change_run(data: dict[str, str], before: int, after: int, dp_after: int) -> dict:
