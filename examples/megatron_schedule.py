@@ -1,18 +1,20 @@
 """Megatron-core's own pipeline schedule trains a GPTModel on CollectiveLoader's ``get_batch``.
 
-    python examples/megatron_schedule.py              # pp=1 x dp=2, pp=2 x dp=2, pp=4 x dp=1
+    python examples/megatron_schedule.py              # pp=1 x dp=2 x tp=2, pp=2 x dp=2, pp=4 x dp=1
     python examples/megatron_schedule.py --steps 6
 
 A small GPTModel (megatron-core's local layer spec: 4 layers, hidden 32, vocabulary 64, sequences
 of 16) is trained for a few steps by ``get_forward_backward_func()`` (1F1B with pp > 1, no
-pipelining at pp = 1), on gloo ranks, with the global batch of 8 sequences per step cut into
+pipelining at pp = 1), on one world of 4 gloo ranks, with the global batch of 8 sequences per step cut into
 micro-batches of 2. Its ``forward_step`` takes each micro-batch from
 ``collective_loader.integrations.megatron.get_batch``: one leader per replica builds the source,
-the first stage gets tokens and position ids, the last stage labels and loss mask. Middle stages
+the first stage gets tokens and position ids, the last stage labels and loss mask, tensor-parallel
+peers the same copies (Megatron's ``get_batch_on_this_tp_rank`` broadcast). Middle stages
 (pp = 4) get no data iterator at all, as in Megatron's own training loop, and never touch the
 loader. Every layout trains the same global batches from the same weights (set by each
-parameter's name, whatever stage holds it), so the per-step losses of pp=2 x dp=2 and pp=4 x dp=1
-must equal those of pp=1 x dp=2: exit 1 if a relative gap exceeds 1e-5.
+parameter's name, whatever stage or tp rank holds it), so the per-step losses of pp=2 x dp=2 and
+pp=4 x dp=1 must equal those of the unpipelined pp=1 x dp=2 (its 4 ranks as 2 tensor-parallel pairs,
+whose vocabulary-parallel loss is the whole model's): exit 1 if a relative gap exceeds 1e-5.
 
 What is ours, not Megatron's: data parallelism is a gradient all-reduce over Megatron's data
 parallel group, then ``torch.optim.SGD`` (Megatron's DDP and optimizer wrap CUDA buffers); the
@@ -46,8 +48,9 @@ import megatron_cpu  # noqa: E402  (the CPU stand-ins; not needed on GPUs)
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS = 64, 16, 32, 4, 4
 MICRO, GLOBAL = 2, 8  # sequences per micro-batch, per step (all replicas)
 SEED, LR = 1234, 0.5
-RTOL = 1e-5  # float32: micro-batching and the dp all-reduce change the summation order
-WORLDS = {2: [(1, 2)], 4: [(2, 2), (4, 1)]}  # ranks: the (pp, dp) layouts run in that world
+RTOL = 1e-5  # float32: micro-batching, tp's partial sums and the dp all-reduce change the summation order
+WORLD = 4  # ranks
+LAYOUTS = [(1, 2, 2), (2, 2, 1), (4, 1, 1)]  # (pp, dp, tp): the first is the reference
 
 
 def sample(i: int) -> torch.Tensor:
@@ -74,10 +77,11 @@ def micro_batches(dp_rank: int, dp_size: int, steps: int):
             }
 
 
-def set_weights(model: torch.nn.Module) -> None:
+def set_weights(model: torch.nn.Module, tp: int, tp_rank: int) -> None:
     """Every matrix drawn from a generator seeded by its name in the whole model (a decoder layer
     by its global number), so a parameter is the same whatever stage holds it. Megatron's own
-    init draws in construction order, which differs by stage; biases (0) and norms (1) are kept."""
+    init draws in construction order, which differs by stage; biases (0) and norms (1) are kept.
+    A tensor-parallel parameter is its tp rank's slice of the whole matrix, along its partition dim."""
     layers = model.decoder.layers
 
     def global_name(name: str) -> str:
@@ -91,7 +95,10 @@ def set_weights(model: torch.nn.Module) -> None:
                 continue
             name = global_name(name)
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            param.copy_(torch.randn(param.shape, generator=g) * 0.05)
+            dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            shape = [n * tp if d == dim else n for d, n in enumerate(param.shape)]
+            whole = torch.randn(shape, generator=g) * 0.05
+            param.copy_(whole if dim is None else whole.chunk(tp, dim)[tp_rank])
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -109,8 +116,8 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, b.loss_mask)
 
 
-def train(pp: int, dp: int, steps: int) -> list[float] | None:
-    """One layout on this world: the per-step losses on pp rank pp - 1 of replica 0, else None."""
+def train(pp: int, dp: int, tp: int, steps: int) -> list[float] | None:
+    """One layout on this world: the per-step losses on pp rank pp - 1, tp rank 0 of replica 0, else None."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -118,11 +125,12 @@ def train(pp: int, dp: int, steps: int) -> list[float] | None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(SEED, inference_rng_tracker=True)
-    # Megatron's rank order (tp, cp, dp, pp: pp outermost) is this mesh's row-major order
-    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    # Megatron's rank order (tp innermost, then cp, dp, pp) is this mesh's row-major order
+    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     place = mesh_place(mesh, dist.get_rank())
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     assert (place.pp_rank, place.dp_rank) == (
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(),
@@ -133,6 +141,7 @@ def train(pp: int, dp: int, steps: int) -> list[float] | None:
         num_layers=LAYERS,
         hidden_size=HIDDEN,
         num_attention_heads=HEADS,
+        tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,  # each stage builds its LAYERS / pp layers from this
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -149,7 +158,7 @@ def train(pp: int, dp: int, steps: int) -> list[float] | None:
         post_process=last,
         share_embeddings_and_output_weights=False,
     )
-    set_weights(model)
+    set_weights(model, tp, tp_rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     megatron_cpu.use_cpu()
     forward_backward = get_forward_backward_func()
@@ -180,17 +189,15 @@ def train(pp: int, dp: int, steps: int) -> list[float] | None:
         assert next(data_iterator, None) is None
     loader.close()
     parallel_state.destroy_model_parallel()
-    return losses if last and place.dp_rank == 0 else None
+    return losses if last and place.dp_rank == 0 and tp_rank == 0 else None
 
 
-def rank_main(args: tuple[str, int]) -> int:
-    out, steps = args
+def rank_main(out: str, steps: int = 3) -> int:
     found = {}
-    for pp, dp in WORLDS[dist.get_world_size()]:
-        losses = train(pp, dp, steps)
+    for pp, dp, tp in LAYOUTS:
+        losses = train(pp, dp, tp, steps)
         if losses is not None:
-            found[(pp, dp)] = losses
-    dist.barrier()
+            found[(pp, dp, tp)] = losses
     if found:
         torch.save(found, f"{out}.{dist.get_rank()}")
     return 0
@@ -200,24 +207,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3)
     ns = p.parse_args(argv)
-    losses: dict[tuple[int, int], list[float]] = {}
+    losses: dict[tuple[int, int, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="cl_megatron_") as tmp:
-        for size in WORLDS:
-            out = os.path.join(tmp, f"losses{size}")
-            code = launch.run(rank_main, (out, ns.steps), size, timeout=300)
-            if code:
-                print(f"the world of {size} ranks failed with exit code {code}")
-                return 1
-            for name in os.listdir(tmp):
-                if name.startswith(f"losses{size}."):
-                    losses |= torch.load(os.path.join(tmp, name))
-    want = losses[(1, 2)]
-    ok = True
-    for (pp, dp), got in sorted(losses.items()):
-        gap = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+        out = os.path.join(tmp, "losses")
+        code = launch.run(partial(rank_main, steps=ns.steps), out, WORLD, timeout=300)
+        if code:
+            print(f"the world of {WORLD} ranks failed with exit code {code}")
+            return 1
+        for name in os.listdir(tmp):
+            losses |= torch.load(os.path.join(tmp, name))
+    want = losses[LAYOUTS[0]]
+    ok = sorted(losses) == sorted(LAYOUTS)
+    for pp, dp, tp in LAYOUTS:
+        got = losses.get((pp, dp, tp), [])
+        gap = max((abs(g - w) / abs(w) for g, w in zip(got, want)), default=float("inf"))
         ok &= gap <= RTOL and len(got) == len(want)
         shown = " ".join(f"{x:.6f}" for x in got)
-        print(f"pp={pp} dp={dp}  losses {shown}  worst relative gap to pp=1 dp=2 {gap:.2e}")
+        print(f"pp={pp} dp={dp} tp={tp}  losses {shown}  worst relative gap to pp=1 dp=2 tp=2 {gap:.2e}")
     print("Megatron's schedule on the loader: parity holds" if ok else "PARITY CHECK FAILED")
     return 0 if ok else 1
 

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
+__all__ = ["MegatronSamples", "gpt_dataset"]
+
 
 class SampleDataset(Protocol):
     """What :class:`MegatronSamples` reads: Megatron's ``GPTDataset`` (or ``BlendedDataset``), or

@@ -1,7 +1,7 @@
 """examples/megatron_schedule.py, run as a user runs it: megatron-core's own
 ``get_forward_backward_func()`` trains a GPTModel (local layer spec) on CollectiveLoader's
-``get_batch``; pp=2 x dp=2 and pp=4 x dp=1 (two middle stages that never touch the loader) give
-the per-step losses of pp=1 x dp=2."""
+``get_batch``, on one world of 4 gloo ranks: pp=2 x dp=2 and pp=4 x dp=1 (two middle stages that
+never touch the loader) give the per-step losses of pp=1 x dp=2 (x tp=2)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "megatron_schedule.py")
-LINE = re.compile(r"^pp=(\d) dp=(\d)\s+losses ([\d. ]+?)\s+worst relative gap to pp=1 dp=2 (\S+)$", re.M)
+LINE = re.compile(r"^pp=(\d) dp=(\d) tp=(\d)\s+losses ([\d. ]+?)\s+worst relative gap to pp=1 dp=2 tp=2 (\S+)$", re.M)
 
 
 @pytest.mark.timeout(300)
@@ -31,7 +31,7 @@ def test_megatron_schedule_matches_unpipelined_losses():
         proc.communicate()
         raise
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    found = {(int(pp), int(dp)): (losses.split(), float(gap)) for pp, dp, losses, gap in LINE.findall(out)}
-    assert sorted(found) == [(1, 2), (2, 2), (4, 1)], out
+    found = {(int(pp), int(dp), int(tp)): (losses.split(), float(gap)) for pp, dp, tp, losses, gap in LINE.findall(out)}
+    assert sorted(found) == [(1, 2, 2), (2, 2, 1), (4, 1, 1)], out
     for layout, (losses, gap) in found.items():
         assert len(losses) == 3 and gap <= 1e-5, (layout, losses, gap)
