@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import resource
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -25,7 +26,8 @@ import torch.distributed as dist
 
 import collective_loader
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "bench", "results")
 KIB, MIB = 1 << 10, 1 << 20
 T = TypeVar("T")
 
@@ -49,8 +51,15 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far."""
+    """This process's peak resident memory so far (since :func:`reset_peak_rss`, if called)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def reset_peak_rss() -> None:
+    """Make the peak resident memory this process's resident memory now (Linux's ``clear_refs``),
+    so :func:`peak_rss_bytes` then gives the peak of what follows alone."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 # --- in a world: timing and gathering ----------------------------------------------------------
@@ -231,6 +240,14 @@ class Run:
             f.write(text)
         print(text + f"written to {path}")
         return path
+
+
+def export(rev: str, into: str) -> str:
+    """The package as of ``rev`` (``git archive``), unpacked under ``into``: put ``into`` first on
+    ``sys.path`` (or ``PYTHONPATH``) to run a benchmark on that version."""
+    archive = subprocess.run(["git", "-C", REPO, "archive", rev, "collective_loader"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
+    return into
 
 
 # --- sources and sizes ----------------------------------------------------------------------------

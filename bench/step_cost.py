@@ -60,7 +60,7 @@ import collective_loader
 from collective_loader import CollectiveLoader
 from collective_loader.testing import launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = harness.REPO
 SKIP = 3  # warm-up steps left out at the start of every epoch
 TAIL = 4  # steps after the last measured one: the transfer thread is still alive when its clock is read
 TIMEOUT = 120.0  # seconds a loader waits in one collective
@@ -399,13 +399,6 @@ def first_on_path(path: str | None) -> Iterator[None]:
         sys.path.remove(path)
 
 
-def export(rev: str, into: str) -> str:
-    """The package as of ``rev`` (``git archive``), unpacked under ``into``."""
-    archive = subprocess.run(["git", "-C", REPO, "archive", rev, "collective_loader"], check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
-    return into
-
-
 def describe(rev: str) -> str:
     out = subprocess.run(
         ["git", "-C", REPO, "log", "-1", "--format=%h %ad", "--date=short", rev],
@@ -693,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         labels = {"after": os.path.dirname(collective_loader.__file__)}  # the package the ranks inherit
         if args.before:
             os.makedirs(os.path.join(tmp, "before"))
-            paths = {"before": export(args.before, os.path.join(tmp, "before")), "after": None}
+            paths = {"before": harness.export(args.before, os.path.join(tmp, "before")), "after": None}
             labels = {"before": describe(args.before), **labels}
 
         def world(version: str, r: int) -> int:

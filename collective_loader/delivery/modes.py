@@ -22,6 +22,7 @@ Example (what a 2-rank CPU world's host broadcast channel packs)::
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -167,19 +168,24 @@ class _Scatter(Mode):
     """One message per member, holding its piece (members of one shard share one)."""
 
     def pack(self, step: int, batch: Mapping[str, Any]) -> Packed:
-        routing, layout, ranks = self.settings.routing, self.settings.mesh_layout, self.channel.ranks
+        routing, ranks = self.settings.routing, self.channel.ranks
         selected = self._stage(batch)
         by_levels: dict[tuple, tuple[torch.Tensor, Header, Batch, wire.Encoded]] = {}
-        for rank in ranks:
-            levels = layout.place(rank).shard
+        for levels in self._member_levels:
             if levels not in by_levels:
                 by_levels[levels] = self._message(step, routing.piece(selected, levels))
         headers = {(h.payload_nbytes, h.meta_nbytes) for _, h, _, _ in by_levels.values()}
         assert len(headers) == 1, headers  # equal shapes per shard, so equal sizes
-        messages = [by_levels[layout.place(r).shard][0] for r in ranks]
+        messages = [by_levels[levels][0] for levels in self._member_levels]
         _, header, own, plan = by_levels[self.place.shard]
         assert plan.layout is not None
         return Packed(messages, header, own, plan.layout, mine=ranks.index(self.place.rank))
+
+    @functools.cached_property
+    def _member_levels(self) -> list[tuple[tuple[int, int], ...]]:
+        """Each member's shard levels (sorted ranks), found once: not a Place per member per step."""
+        layout = self.settings.mesh_layout
+        return [layout.place(rank).shard for rank in self.channel.ranks]
 
     def piece(self, batch: Batch) -> Batch:
         return batch  # its message holds this rank's piece alone

@@ -35,6 +35,7 @@ tuple of global ranks that contains the leader:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -299,29 +300,41 @@ class MeshLayout:
         return [r for r in self.ranks if self.place(r).dp_rank == dp_rank]
 
     def replica_groups(self) -> list[ReplicaGroups]:
-        """The delivery groups of every replica, ordered by dp_rank."""
-        buckets: dict[int, dict[str, set[int]]] = {}
-        leaders: dict[int, int] = {}
-        for rank in self.ranks:
-            place = self.place(rank)
-            key = "first" if place.stage in ("first", "both") else place.stage
-            buckets.setdefault(place.dp_rank, {"first": set(), "last": set(), "middle": set()})[key].add(rank)
-            leaders[place.dp_rank] = place.leader
-        return [
-            ReplicaGroups(
-                dp_rank=dp,
-                leader=leaders[dp],
-                ranks=tuple(sorted(members["first"] | members["last"] | members["middle"])),
-                first=tuple(sorted(members["first"] | {leaders[dp]})),
-                last=tuple(sorted(members["last"] | {leaders[dp]})) if members["last"] else None,
-                middle=tuple(sorted(members["middle"] | {leaders[dp]})) if members["middle"] else None,
+        """The delivery groups of every replica, ordered by dp_rank (computed once per layout)."""
+        return list(self._replica_groups)
+
+    @functools.cached_property
+    def _replica_groups(self) -> tuple[ReplicaGroups, ...]:
+        # one pass over the ranks with coordinate arithmetic, no Place per rank: every rank
+        # lists every group to new_group, so this runs on each of them, at 64k ranks too
+        data, pipe = self._dims("data"), self._dims("pipeline")
+        last_pp = last_stage_rank(self.pp_size, self.stage_style)
+        # per replica: the ranks of its first stage, of its last (when another) and of its middle ones
+        stages: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in range(self.dp_size)]
+        for coords, rank in zip(itertools.product(*map(range, self.shape)), self.ranks):
+            dp = 0
+            for i in data:
+                dp = dp * self.shape[i] + coords[i]
+            pp = coords[pipe[0]] if pipe else 0
+            stages[dp][0 if pp == 0 else 1 if pp == last_pp else 2].append(rank)
+        out = []
+        for dp, (first, last, middle) in enumerate(stages):
+            leader = self.place(first[0]).leader
+            out.append(
+                ReplicaGroups(
+                    dp_rank=dp,
+                    leader=leader,
+                    ranks=tuple(sorted(first + last + middle)),
+                    first=tuple(sorted({*first, leader})),
+                    last=tuple(sorted({*last, leader})) if last else None,
+                    middle=tuple(sorted({*middle, leader})) if middle else None,
+                )
             )
-            for dp, members in sorted(buckets.items())
-        ]
+        return tuple(out)
 
     def leaders(self) -> tuple[int, ...]:
         """Leader ranks ordered by dp_rank."""
-        return tuple(g.leader for g in self.replica_groups())
+        return tuple(g.leader for g in self._replica_groups)
 
     def shard_dims(self) -> tuple[tuple[str, int], ...]:
         """``(name, size)`` of the shard dims, outermost first."""
