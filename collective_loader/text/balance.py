@@ -23,9 +23,25 @@ Pure: nothing here talks to ``torch.distributed``.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+FILLS = (0.0, 0.1, 0.25, 0.5)
+"""The tries of :func:`place`: each the share of a step's tokens kept back as fillers (0: every
+piece placed longest first, the plain greedy). Which share does best depends on the step."""
+
+PARTNERS = 8
+"""How many of the least costly replicas the costliest one trades pieces with, per exchange."""
+
+EXCHANGES = 128
+"""The most exchanges per try: bounds :func:`place`'s work at a large dp."""
+
+BIG_PER_ROW = 16
+"""At most this many pieces per row of the step are placed before the fillers (and exchanged):
+bounds the exchanges' work when documents are tiny."""
 
 
 @dataclass(frozen=True)
@@ -96,14 +112,23 @@ def place(
     ``rows[j]``: leader ``j``'s unbalanced rows, each the lengths of its pieces in order (at most
     ``batch_rows`` rows, each at most ``capacity`` tokens). Returns ``out[d][r]``, the pieces of
     row ``r`` of replica ``d``, each row at most ``capacity`` tokens; every token of the input is
-    in exactly one piece. A deterministic function of its arguments: every leader computes the
-    same placement.
+    in exactly one piece. A deterministic function of its arguments (integer arithmetic, every tie
+    broken by index): every leader computes the same placement.
 
-    Pieces go whole, longest first, to the replica that costs least so far, into its fullest row
-    that still holds them (longest-processing-time scheduling); what fits nowhere whole fills the
-    remaining room, cut where the room ends (as the packer cuts at a row's edge). When that is no
-    better than the rows as packed (its most costly replica costs as much or more), the rows stay
-    where they were.
+    Each try of :data:`FILLS` keeps that share of the step's tokens, its shortest pieces, as
+    *fillers*, and places the longer pieces whole first, longest first, each onto the replica
+    whose cost is least so far, into its fullest row that still holds it (longest-processing-time
+    scheduling). A replica's cost counts the room it leaves at the fillers' mean cost per token,
+    since every row ends full: a replica of long pieces is then given a small share of tokens of
+    them. Exchanges follow: the costliest replica moves one piece to, or swaps one for a lighter
+    one of, one of the :data:`PARTNERS` least costly ones while that lowers the costlier of the
+    two (at most :data:`EXCHANGES` times). Then the fillers, and what fit nowhere before, go
+    whole the same way by cost as it stands, and what fits nowhere whole fills the remaining
+    room, cut where the room ends (as the packer cuts at a row's edge): as in the plain greedy
+    (the try of share 0), a piece is cut only when no row holds it whole. The try whose most costly
+    replica costs least is kept (the first of equals); if none beats the rows as packed, they
+    stay where they were. Work per try: about ``pieces * log(dp)`` to place, and per exchange
+    ``dp`` plus ``PARTNERS`` times the pieces of two replicas (``log`` of a row's pieces each).
 
     >>> packed = [[[9], [9]], [[3, 3, 3], [5, 4]]]  # leader 0: two 9-token documents; leader 1: short ones
     >>> replica_costs(packed, 0)
@@ -118,48 +143,31 @@ def place(
     for j, leader_rows in enumerate(rows):
         if len(leader_rows) > batch_rows or any(sum(row) > capacity for row in leader_rows):
             raise ValueError(f"leader {j} has more than {batch_rows} rows or a row over {capacity} tokens")
-    pieces = [
-        Piece(j, r, start, n)
-        for j, leader_rows in enumerate(rows)
-        for r, row in enumerate(leader_rows)
-        for start, n in zip(_starts(row), row)
-        if n
-    ]
-    out: list[list[list[Piece]]] = [[[] for _ in range(batch_rows)] for _ in range(replicas)]
-    room = [[capacity] * batch_rows for _ in range(replicas)]
-    cost = [0.0] * replicas
-    left: list[Piece] = []
-    for piece in sorted(pieces, key=lambda p: (-p.length, p)):
-        best: tuple[float, int, int, int] | None = None  # (replica cost, room after, replica, row)
-        for d in range(replicas):
-            fits = [(room[d][r] - piece.length, r) for r in range(batch_rows) if room[d][r] >= piece.length]
-            if fits:
-                after, r = min(fits)
-                if best is None or (cost[d], after, d, r) < best:
-                    best = (cost[d], after, d, r)
-        if best is None:
-            left.append(piece)
-            continue
-        _, _, d, r = best
-        _put(out, room, cost, d, r, piece, linear_cost)
-    for piece in left:  # longest first: cut each into the room left, least costly replica first
-        while piece.length:
-            d = min((d for d in range(replicas) if any(room[d])), key=lambda d: (cost[d], d))
-            r = max(range(batch_rows), key=lambda r: (room[d][r], -r))
-            k = min(room[d][r], piece.length)
-            _put(out, room, cost, d, r, piece._replace(length=k), linear_cost)
-            piece = piece._replace(start=piece.start + k, length=piece.length - k)
-    for replica in out:
-        for row in replica:
-            row.sort()  # a row's pieces in the order the leaders packed them
-    as_packed = [
+    pieces = sorted(
+        (
+            Piece(j, r, start, n)
+            for j, leader_rows in enumerate(rows)
+            for r, row in enumerate(leader_rows)
+            for start, n in zip(_starts(row), row)
+            if n
+        ),
+        key=lambda p: (-p.length, p),
+    )
+    best = [
         [[Piece(j, r, s, n) for s, n in zip(_starts(row), row) if n] for r, row in enumerate(leader_rows)]
         + [[] for _ in range(batch_rows - len(leader_rows))]
         for j, leader_rows in enumerate(rows)
     ]
-    if max(cost) >= max(replica_costs(rows, linear_cost)):
-        return as_packed
-    return out
+    least = max(replica_costs(rows, linear_cost))
+    for share in FILLS:
+        tried = _try(pieces, replicas, batch_rows, capacity, share)
+        cost = max(replica_costs([[[p.length for p in row] for row in replica] for replica in tried], linear_cost))
+        if cost < least:  # strictly better: a tie keeps the earlier, so every leader keeps the same
+            best, least = tried, cost
+    for replica in best:
+        for row in replica:
+            row.sort()  # a row's pieces in the order the leaders packed them
+    return best
 
 
 def place_in_blocks(
@@ -191,15 +199,160 @@ def _starts(lengths: Sequence[int]) -> list[int]:
     return starts
 
 
-def _put(
-    out: list[list[list[Piece]]],
-    room: list[list[int]],
-    cost: list[float],
-    d: int,
-    r: int,
-    piece: Piece,
-    linear_cost: float,
-) -> None:
-    out[d][r].append(piece)
-    room[d][r] -= piece.length
-    cost[d] += piece.length * piece.length + linear_cost * piece.length
+def _try(pieces: list[Piece], replicas: int, batch_rows: int, capacity: int, share: float) -> list[list[list[Piece]]]:
+    """One try of :func:`place`: ``pieces`` (longest first) with the shortest ``share`` of their
+    tokens as fillers."""
+    budget, big = share * sum(p.length for p in pieces), len(pieces)
+    while big and pieces[big - 1].length <= budget:
+        budget -= pieces[big - 1].length
+        big -= 1
+    big = min(big, BIG_PER_ROW * replicas * batch_rows)
+    layout = _Layout(replicas, batch_rows, capacity, pieces[big:])
+    left = layout.put_whole(pieces[:big])
+    if big < len(pieces):  # without fillers every row is full or holds no more piece: nothing to trade
+        layout.exchange()
+    # the fillers by cost as it stands: by the key, a piece shorter than the fillers' mean lowers
+    # its replica's, which would then take every short piece and leave the long ones to the others
+    layout.fill_sq, layout.fill_tokens = 0, 1
+    left = layout.put_whole(left + pieces[big:])  # what fit nowhere may fit after the exchanges
+    layout.cut(sorted(left, key=lambda p: (-p.length, p)))
+    return layout.rows
+
+
+class _Layout:
+    """Pieces in (replica, row) and each row's room. A replica's *key* is its cost as it will end:
+    its pieces' ``sum(L**2)`` plus its room at the fillers' cost per token (``fill_sq / fill_tokens``),
+    times ``fill_tokens`` to stay in integers (no float ties: the same order on every leader).
+    ``linear_cost`` has no part: rows end full, so every replica's ``c * sum(L)`` is the same.
+
+    >>> layout = _Layout(2, 1, 10, [Piece(0, 0, 0, 2), Piece(0, 0, 2, 2)])  # fillers: 4 tokens, 2 per token
+    >>> layout.put_whole([Piece(1, 0, 0, 6)])
+    []
+    >>> [layout.key(d) for d in range(2)]  # (36 + 2 * 4) * 4 and 2 * 10 * 4
+    [176, 80]
+    """
+
+    def __init__(self, replicas: int, batch_rows: int, capacity: int, fillers: Sequence[Piece]) -> None:
+        self.rows: list[list[list[Piece]]] = [[[] for _ in range(batch_rows)] for _ in range(replicas)]
+        self.room = [[capacity] * batch_rows for _ in range(replicas)]
+        self.sq = [0] * replicas
+        self.fill_tokens = max(sum(p.length for p in fillers), 1)
+        self.fill_sq = sum(p.length * p.length for p in fillers)
+
+    def key(self, d: int) -> int:
+        return self.sq[d] * self.fill_tokens + self.fill_sq * sum(self.room[d])
+
+    def weight(self, n: int) -> int:
+        """What a piece of ``n`` tokens adds to its replica's key."""
+        return n * n * self.fill_tokens - self.fill_sq * n
+
+    def put(self, d: int, r: int, piece: Piece) -> None:
+        self.rows[d][r].append(piece)
+        self.room[d][r] -= piece.length
+        self.sq[d] += piece.length * piece.length
+
+    def take(self, d: int, r: int, i: int) -> Piece:
+        piece = self.rows[d][r].pop(i)
+        self.room[d][r] += piece.length
+        self.sq[d] -= piece.length * piece.length
+        return piece
+
+    def put_whole(self, pieces: Sequence[Piece]) -> list[Piece]:
+        """Each piece (longest first) onto the least costly replica with a row that holds it, into
+        its fullest such row; returns those no row holds.
+
+        Two heaps keep this near ``len(pieces) * log(replicas)``: by key, the replicas whose
+        largest room held the last piece; by largest room, the others, back in the first once
+        the pieces are short enough (rooms only shrink here, and pieces only get shorter).
+        """
+        heap = [(self.key(d), d) for d in range(len(self.rows))]
+        heapq.heapify(heap)
+        waiting: list[tuple[int, int]] = []  # (-largest room, replica)
+        left: list[Piece] = []
+        for piece in pieces:
+            while waiting and -waiting[0][0] >= piece.length:
+                d = heapq.heappop(waiting)[1]
+                heapq.heappush(heap, (self.key(d), d))
+            while heap:
+                d = heapq.heappop(heap)[1]
+                if max(self.room[d]) < piece.length:
+                    heapq.heappush(waiting, (-max(self.room[d]), d))
+                    continue
+                fits = [(room - piece.length, r) for r, room in enumerate(self.room[d]) if room >= piece.length]
+                self.put(d, min(fits)[1], piece)
+                heapq.heappush(heap, (self.key(d), d))
+                break
+            else:
+                left.append(piece)
+        return left
+
+    def exchange(self) -> None:
+        """Up to :data:`EXCHANGES` times: the trade between the costliest replica and one of the
+        :data:`PARTNERS` least costly ones that leaves the costlier of the two least: a piece of
+        one row moved to a row of the other, or swapped for a lighter one of that row. Stops when
+        no trade lowers the pair's maximum; each lowers it strictly, so no state repeats."""
+        replicas = len(self.rows)
+        for _ in range(EXCHANGES):
+            keys = [self.key(d) for d in range(replicas)]
+            a = max(range(replicas), key=lambda d: (keys[d], -d))
+            partners = heapq.nsmallest(PARTNERS, (d for d in range(replicas) if d != a), key=lambda d: (keys[d], d))
+            best = self._trade(a, partners, keys)
+            if best is None:
+                return
+            _, b, x, i, y, j = best
+            mine = self.take(a, x, i)
+            if j >= 0:
+                self.put(a, x, self.take(b, y, j))
+            self.put(b, y, mine)
+
+    def _trade(self, a: int, partners: list[int], keys: list[int]) -> tuple[int, ...] | None:
+        """The best trade of a piece of replica ``a`` for a lighter one of a partner's, or none:
+        ``(pair's max after, b, x, i, y, j)``, piece ``i`` of row ``x`` of ``a`` for piece ``j`` of
+        row ``y`` of ``b`` (-1: moved, nothing back); ``None`` if no trade lowers the pair's max."""
+        best: tuple[int, ...] | None = None
+        own = [[bundle for bundle in self._bundles(row) if bundle[0] > 0] for row in self.rows[a]]
+        for b in partners:  # least costly first: the pair's max after a trade is above keys[b]
+            if best is not None and best[0] <= keys[b]:
+                break
+            gap = keys[a] - keys[b]
+            for y, other in enumerate(self.rows[b]):
+                bundles = self._bundles(other)  # theirs, lightest first, and none at all
+                weights = [w for w, _, _ in bundles]
+                for x, bundles_x in enumerate(own):
+                    for w, n, i in bundles_x:
+                        # the pair's max after is least for the piece nearest to gap / 2 lighter:
+                        # the nearest on each side that leaves both rows room enough
+                        lo = bisect.bisect_right(weights, w - gap)
+                        hi = bisect.bisect_left(weights, w, lo)
+                        near = bisect.bisect_left(weights, w - gap // 2, lo, hi)
+                        for side in (range(near - 1, lo - 1, -1), range(near, hi)):
+                            for k in side:
+                                v, m, j = bundles[k]
+                                if self.room[b][y] + m >= n and self.room[a][x] + n >= m:
+                                    trade = (max(keys[a] - w + v, keys[b] + w - v), b, x, i, y, j)
+                                    best = trade if best is None or trade < best else best
+                                    break
+        return best
+
+    def _bundles(self, row: list[Piece]) -> list[tuple[int, int, int]]:
+        """``(weight, length, index)`` of one piece of ``row`` per length (the others trade the
+        same), and ``(0, 0, -1)``: none, lightest first."""
+        first: dict[int, int] = {}
+        for i, piece in enumerate(row):
+            first.setdefault(piece.length, i)
+        return sorted([(0, 0, -1), *((self.weight(n), n, i) for n, i in first.items())])
+
+    def cut(self, left: Sequence[Piece]) -> None:
+        """Each piece (longest first) cut into the room left: the least costly replica with room
+        first, its fullest row, as much as it holds."""
+        heap = [(self.key(d), d) for d in range(len(self.rows)) if any(self.room[d])]
+        heapq.heapify(heap)
+        for piece in left:
+            while piece.length:
+                _, d = heapq.heappop(heap)
+                r = max(range(len(self.room[d])), key=lambda r: (self.room[d][r], -r))
+                k = min(self.room[d][r], piece.length)
+                self.put(d, r, piece._replace(length=k))
+                piece = piece._replace(start=piece.start + k, length=piece.length - k)
+                if any(self.room[d]):
+                    heapq.heappush(heap, (self.key(d), d))
