@@ -4,12 +4,13 @@
 per source (build it on every rank, like them); on a leader it makes a :class:`MixtureStream`.
 Every source packs its own documents into rows of ``seq_len + 1`` tokens cut from their
 concatenation, so a row holds ``seq_len`` real tokens whatever its documents' lengths, and
-mixing rows mixes tokens. Which source each row of a step comes from is decided by a
-:class:`~collective_loader.text.mixture.RowAllocator` from the schedule and the training progress
-alone: every leader decides the same, with no collective, and the decision does not depend on the
-DP degree. Every replica takes the same sources for its rows: each consumes its part of every
-source at the scheduled rate, so the leaders' parts (as many documents each) run out together,
-and a replica's rows do not depend on how its steps are cut into micro-batches. Each source keeps its own cursor (its
+mixing rows mixes tokens. Which source each row of every replica comes from is decided by a
+:class:`~collective_loader.text.mixture.ReplicaAllocator` from the schedule and the training
+progress alone: every leader computes the same allocation, with no collective. Over all replicas
+each source stays within a row of its target; each replica's own rows stay near it too, so each
+consumes its part of every source at about the scheduled rate and the leaders' parts (as many
+documents each) run out together; a replica's rows do not depend on how its steps are cut into
+micro-batches. Each source keeps its own cursor (its
 packing stream's state), saved in the loader's state, so a resume continues each source where
 it was, also at another DP degree and, with ``allow_edit=True``, after the schedule's future was
 edited (other weights, a source added or dropped: logged at INFO)::
@@ -50,7 +51,7 @@ from collective_loader.plan.mesh import DEFAULT_PLACEMENT, Placement, StageStyle
 from collective_loader.streaming.source import StreamingSource
 from collective_loader.streaming.streams import PackedStream
 from collective_loader.text.layouts import ColumnLayout
-from collective_loader.text.mixture import MixtureSchedule, RowAllocator, WhenExhausted, when_exhausted_of
+from collective_loader.text.mixture import MixtureSchedule, ReplicaAllocator, WhenExhausted, when_exhausted_of
 from collective_loader.text.packing import Packing, Row, batch_of
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class MixtureSource:
             self.schedule,
             self.batch_size,
             self.packing,
-            self.place.dp_size,
+            (self.place.dp_rank, self.place.dp_size),
             self.when_exhausted,
             self.allow_edit,
             self._agreement if self._agreement is not None and self._agreement.group is not None else None,
@@ -222,7 +223,7 @@ class MixtureStream:
     scheduled one, the current weight, epochs begun and rows dropped at early epoch ends.
     """
 
-    elastic = True  # each source's packing state re-partitions; the allocation ignores dp
+    elastic = True  # each source's packing state re-partitions; the allocation over all replicas goes on
 
     def __init__(
         self,
@@ -230,7 +231,7 @@ class MixtureStream:
         schedule: MixtureSchedule,
         batch_size: int,
         packing: Packing,
-        dp_size: int,
+        replica: tuple[int, int],
         when_exhausted: Mapping[str, WhenExhausted],
         allow_edit: bool,
         agreement: LeaderGroup | None,
@@ -238,10 +239,10 @@ class MixtureStream:
         self.sources = {name: _SourceRows(streams[name]) for name in sorted(streams)}
         self.names = tuple(self.sources)
         self.schedule, self.batch_size, self.packing = schedule, batch_size, packing
-        self.dp_size = dp_size
+        self.dp_rank, self.dp_size = replica
         self.when_exhausted, self.allow_edit = dict(when_exhausted), allow_edit
         self.agreement = agreement
-        self.allocator = RowAllocator(schedule)
+        self.allocator = ReplicaAllocator(schedule, self.dp_size)
         self.progress = 0.0  # in the schedule's unit, over every replica
         self._counts = {name: dict.fromkeys(("rows", "tokens", "documents"), 0) for name in self.names}
         self._held: dict[str, Any] = {}  # the saved states of sources this run does not describe
@@ -265,7 +266,7 @@ class MixtureStream:
                 counts["documents"] += row.documents
             self.progress += self._step_progress()
             if log.isEnabledFor(logging.DEBUG):
-                weights = self.allocator.weights_at(start)
+                weights = self.allocator.rows.weights_at(start)
                 log.debug("mixture step: rows %s, weights %s", {n: chosen.count(n) for n in self.names}, weights)
             batch: dict[str, Any] = batch_of(rows, self.packing, self.batch_size)
             batch["source_id"] = torch.tensor([index[name] for name in chosen], dtype=torch.int64)
@@ -277,7 +278,7 @@ class MixtureStream:
         restarted: set[str] = set()
         while True:
             trial = copy.deepcopy(self.allocator)  # kept only once every leader has its rows
-            chosen = trial.allocate(self.progress, self.batch_size)
+            chosen = trial.allocate(self.progress, self.batch_size)[self.dp_rank]
             short = self._short(Counter(chosen))
             if not short:
                 self.allocator = trial
@@ -300,8 +301,8 @@ class MixtureStream:
                     restarted.add(name)
                     continue
                 log.info("%s: it stops, the others share its weight (%d rows queued here dropped)", where, dropped)
-                self.allocator.exclude(name)
-                if not self.allocator.weights_at(self.progress):
+                self.allocator.rows.exclude(name)
+                if not self.allocator.rows.weights_at(self.progress):
                     log.info("mixture: every source weighed now has stopped: the epoch ends")
                     return None
 
@@ -342,9 +343,7 @@ class MixtureStream:
         if state is None:
             return
         self.progress = float(state["progress"])  # where the next step starts
-        changes = self.allocator.load_state_dict(
-            state["mixture"], self.schedule, allow_edit=self.allow_edit, progress=self.progress
-        )
+        changes = self.allocator.load_state_dict(state["mixture"], allow_edit=self.allow_edit, progress=self.progress)
         for line in changes:
             log.info("mixture resumed under an edited schedule: %s", line)
         saved = dict(state["sources"])
@@ -362,12 +361,12 @@ class MixtureStream:
     def stats(self) -> dict[str, float]:
         """Per source ``name``: ``mixture/name/rows``, ``/tokens`` (real tokens), ``/documents``
         (begun) this leader delivered; ``/share`` (of this leader's real tokens) against
-        ``/target`` (the scheduled share of the rows so far) and ``/weight`` (now);
+        ``/target`` (the scheduled share of every replica's rows so far) and ``/weight`` (now);
         ``/epochs`` begun, ``/dropped_rows`` (queued when an epoch ended early)."""
         total = sum(c["tokens"] for c in self._counts.values()) or 1
-        targets = self.allocator.targets
+        targets = self.allocator.rows.targets
         slots = sum(targets.values()) or 1.0
-        weights = self.allocator.weights_at(self.progress)
+        weights = self.allocator.rows.weights_at(self.progress)
         out: dict[str, float] = {}
         for name, counts in self._counts.items():
             source = self.sources[name]

@@ -96,10 +96,13 @@ import difflib
 import json
 import math
 import sys
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+import numpy as np
 
 Unit = Literal["tokens", "steps"]
 UNITS = ("tokens", "steps")
@@ -419,6 +422,98 @@ class RowAllocator:
             deficit.setdefault(name, 0.0)
         self._schedule, self._progress = new, last
         self._allocated, self._deficit, self._excluded = allocated, deficit, excluded
+        return changes
+
+
+class ReplicaAllocator:
+    """Which source each row of *every* replica comes from, a step of ``rows`` rows per replica at a time.
+
+    Row ``j`` of every replica (a *column* of ``dp_size`` rows) is allocated at once: a
+    :class:`RowAllocator` names the column's sources, so over all replicas each source stays within
+    a row of its target (the error of a window over all replicas is that of one replica's window
+    divided by dp); then each of the column's rows goes to a replica: the pairs (replica, source)
+    are taken greatest per-replica deficit first (ties: replica, then source, in order), so each
+    replica's own rows stay near its target too (its deficit stays small: measured within 2.9 rows
+    over random weights, 2 to 5 sources and dp 2 to 64, where allocating each replica alone keeps
+    it within one row but leaves the error over all replicas dp times as large). A replica's rows
+    depend on its row index alone, not on how its rows are cut into steps (a micro-batch of one row
+    per step gets the rows of a step of eight), and every leader computes every replica's rows, the
+    same, without communicating.
+
+    >>> rows = ReplicaAllocator(MixtureSchedule.constant({"a": 0.5, "b": 0.25, "c": 0.25}), dp_size=2)
+    >>> rows.allocate(0, 2)
+    [['a', 'c'], ['b', 'a']]
+    >>> [sorted(sum(rows.allocate(512, 2), [])) for _ in range(2)]
+    [['a', 'a', 'b', 'c'], ['a', 'a', 'b', 'c']]
+
+    State (:meth:`state_dict`): the :class:`RowAllocator`'s, over all replicas, and each replica's
+    deficit per source. Resumed at another DP degree the replicas' deficits start at 0 again; the
+    allocation over all replicas goes on.
+    """
+
+    def __init__(self, schedule: MixtureSchedule, dp_size: int) -> None:
+        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+            raise ValueError(f"ReplicaAllocator(dp_size=...) must be an int >= 1, got {dp_size!r}")
+        self.rows = RowAllocator(schedule)
+        self.dp_size = dp_size
+        self._deficit: dict[str, np.ndarray] = {name: np.zeros(dp_size) for name in schedule.sources}
+
+    def allocate(self, progress: float, rows: int) -> list[list[str]]:
+        """Per replica, the source of each of its ``rows`` rows of one step, at the weights of
+        ``progress`` (the step's start)."""
+        out: list[list[str]] = [[] for _ in range(self.dp_size)]
+        for _ in range(rows):
+            column = self._column(progress)
+            for replica, name in enumerate(column):
+                out[replica].append(name)
+        return out
+
+    def _column(self, progress: float) -> list[str]:
+        left = Counter(self.rows.allocate(progress, self.dp_size))
+        weights = self.rows.weights_at(progress)
+        names = sorted(weights)
+        for name in names:
+            self._deficit.setdefault(name, np.zeros(self.dp_size))
+        deficit = np.stack([self._deficit[name] + weights[name] for name in names], axis=1)  # (replica, source)
+        replica, source = np.indices(deficit.shape)
+        order = np.lexsort((source.ravel(), replica.ravel(), -deficit.ravel()))
+        chosen: list[str | None] = [None] * self.dp_size
+        placed = 0
+        for pair in order.tolist():
+            r, k = divmod(pair, len(names))
+            if chosen[r] is None and left[names[k]] > 0:
+                chosen[r] = names[k]
+                left[names[k]] -= 1
+                deficit[r, k] -= 1.0
+                placed += 1
+                if placed == self.dp_size:
+                    break
+        for k, name in enumerate(names):
+            self._deficit[name] = deficit[:, k]
+        return [name for name in chosen if name is not None]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values: the allocation over all replicas and each replica's deficits."""
+        return {
+            "rows": self.rows.state_dict(),
+            "dp_size": self.dp_size,
+            "replicas": {name: d.tolist() for name, d in sorted(self._deficit.items())},
+        }
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, allow_edit: bool = False, progress: float | None = None
+    ) -> list[str]:
+        """Go on from ``state`` under this allocator's schedule (:meth:`RowAllocator.load_state_dict`:
+        an edit of the schedule is refused unless ``allow_edit``); returns the changes, one line each."""
+        if not isinstance(state, Mapping) or not {"rows", "dp_size", "replicas"} <= set(state):
+            raise ValueError(
+                "mixture state: expected the keys rows, dp_size and replicas (ReplicaAllocator.state_dict)"
+            )
+        changes = self.rows.load_state_dict(state["rows"], self.rows.schedule, allow_edit=allow_edit, progress=progress)
+        self._deficit = {name: np.zeros(self.dp_size) for name in self.rows.allocated}
+        if state["dp_size"] == self.dp_size:  # at another DP degree the replicas start afresh
+            for name, deficit in state["replicas"].items():
+                self._deficit[name] = np.asarray(deficit, dtype=np.float64)
         return changes
 
 

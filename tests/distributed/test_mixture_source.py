@@ -152,18 +152,22 @@ def test_shares_of_tokens_follow_each_schedule_in_every_window_at_dp_1_2_4(world
             stats = leader["stats"]
             assert stats["mixture/long/documents"] > 0 and stats["mixture/short/documents"] > 0, stats
             assert abs(stats["mixture/long/share"] - stats["mixture/long/target"]) < 0.05, stats
-        # every replica takes the same sources for its rows, step by step
-        sources = [[[s for s, _ in rows] for rows in leader["rows"]] for leader in leaders]
-        assert all(s == sources[0] for s in sources), (name, dp)
+        # each replica's rows follow the weights too: within 3 rows of its target (measured: 2.9)
+        for leader in leaders:
+            longs = np.cumsum([sum(s == 0 for s, _ in rows) for rows in leader["rows"]])
+            want = np.cumsum(
+                [GLOBAL_ROWS // dp * schedule.weights_at(step * STEP_TOKENS)["long"] for step in range(STEPS)]
+            )
+            assert np.abs(longs - want).max() <= 3, (name, dp, longs, want)
         # every window of 8 steps: the long source's real tokens over every replica against the
-        # weights at the window's step starts (what the allocator samples), within its bound: one
-        # row per replica for two sources at constant weights, 1.5 measured when the weights change
+        # weights at the window's step starts (what the allocator samples), within its bound over
+        # all replicas: one row for two sources at constant weights, 1.5 measured when weights change
         per_step = [Counter() for _ in range(STEPS)]
         for leader in leaders:
             for step, rows in enumerate(leader["rows"]):
                 for s, tokens in rows:
                     per_step[step][TWO[s]] += len(tokens)
-        bound = (1.0 if name == "constant" else 1.5) * dp * (SEQ_LEN + 1)
+        bound = (1.0 if name == "constant" else 1.5) * (SEQ_LEN + 1)
         for start in range(STEPS - 8 + 1):
             window = sum(per_step[start : start + 8], Counter())
             total = sum(window.values())
@@ -221,8 +225,8 @@ def test_a_resume_under_an_edited_schedule_continues_every_source_and_repeats_no
                 trained.update(tokens)
                 assert {source_of(t) for t in tokens} == {names[s]}
     assert max(trained.values()) == 1  # no token trained twice, across the resume
-    # per replica, the second part's rows follow the new weights within the allocator's bound
-    after = Counter(names[s] for rows in results[0]["second"] for s, _ in rows)
+    # over both replicas, the second part's rows follow the new weights within the allocator's bound
+    after = Counter(names[s] for r in results if r["leader"] for rows in r["second"] for s, _ in rows)
     total = sum(after.values())
     for name, weight in (("extra", 0.5), ("long", 0.3), ("short", 0.2)):
         assert abs(after[name] - weight * total) <= 2, (name, after)
@@ -307,9 +311,9 @@ def test_a_repeated_source_begins_a_new_shuffled_epoch_on_every_leader_at_the_sa
     assert sum(trained.values()) > 2 * per_epoch  # it came back
     assert max(trained.values()) <= max(epochs)  # at most once per epoch
     assert order[0] != order[1]  # the replicas read different parts
-    # the rows keep following the weights: three rows of short and one of tiny per replica and step
+    # the rows keep following the weights: three rows of short and one of tiny per step, on average
     for r in leaders:
-        assert all(sorted(s for s, _ in rows) == [0, 0, 0, 1] for rows in r["rows"])
+        assert sum(s for rows in r["rows"] for s, _ in rows) == 20
 
 
 def test_a_stopped_source_shares_its_weight_and_the_run_goes_on(world, data):

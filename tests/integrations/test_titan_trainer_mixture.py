@@ -5,7 +5,7 @@ tokenizer and packing each source into rows of its own.
 
 The two sources are told apart in every row the Trainer took: one holds lower-case documents, the
 other upper-case ones (one byte-level BPE trained on both). Every row comes from the source the
-schedule's ``RowAllocator`` names for it (half and half for the first 4 steps, then 3/4 lower), the
+schedule's ``ReplicaAllocator`` names for it (half and half for the first 4 steps, then 3/4 lower), the
 mixture's ``source_id`` does not reach TorchTitan's train step, every rank of a replica takes the
 same micro-batches, and only the leaders open the data and tokenize: pp=2 x dp_shard=2 by default
 (one Trainer run). ``python -m pytest -m slow tests/integrations/test_titan_trainer_mixture.py``
@@ -36,7 +36,7 @@ from collective_loader.integrations.titan_streaming import (
 )
 from collective_loader.integrations.titan_wrap import with_mesh
 from collective_loader.text import MixtureSchedule, Packing, Phase, TokenColumn
-from collective_loader.text.mixture import RowAllocator
+from collective_loader.text.mixture import ReplicaAllocator
 
 # the first 4 steps half and half, then 3/4 lower: the change falls on a training step's first
 # row (4 steps x DP replicas x BATCH rows x SEQ tokens), so pp=2's micro-batches see pp=1's weights
@@ -189,12 +189,14 @@ def source_of(row: dict[str, list], decode: Any) -> str:
     return "lower" if text.islower() else "upper"
 
 
-def scheduled(rows_per_batch: int, batches: int) -> list[str]:
-    """The source of each row a replica takes, as the schedule's allocator names them for batches
-    of ``rows_per_batch`` rows (every replica the same)."""
-    allocator, out = RowAllocator(SCHEDULE), []
+def scheduled(rows_per_batch: int, batches: int) -> list[list[str]]:
+    """Per replica, the source of each row it takes, as the schedule's allocator names them for
+    batches of ``rows_per_batch`` rows per replica."""
+    allocator = ReplicaAllocator(SCHEDULE, DP)
+    out: list[list[str]] = [[] for _ in range(DP)]
     for step in range(batches):
-        out += allocator.allocate(step * DP * rows_per_batch * SEQ, rows_per_batch)
+        for dp_rank, names in enumerate(allocator.allocate(step * DP * rows_per_batch * SEQ, rows_per_batch)):
+            out[dp_rank] += names
     return out
 
 
@@ -202,9 +204,10 @@ def assert_mixed(run: Run, data: MixtureData, rows_per_batch: int) -> None:
     """Each replica's rows came from the sources the schedule names, row by row; no key but
     TorchTitan's reached the Trainer."""
     want = scheduled(rows_per_batch, STEPS * BATCH // rows_per_batch)
-    assert want.count("lower") == 8 + 12 and want.count("upper") == 8 + 4  # 2:2 per step, then 3:1
+    every = [name for names in want for name in names]
+    assert every.count("lower") == DP * (8 + 12) and every.count("upper") == DP * (8 + 4)  # 2:2 per step, then 3:1
     for dp_rank in range(DP):
-        assert [source_of(row, data.decode) for row in rows(run, dp_rank)] == want, dp_rank
+        assert [source_of(row, data.decode) for row in rows(run, dp_rank)] == want[dp_rank], dp_rank
     for batches in run.batches.values():
         assert all(set(batch) == {"input", "positions", "labels"} for batch in batches)
 
