@@ -1,20 +1,27 @@
-"""Megatron-core's own pipeline schedule trains a GPTModel on CollectiveLoader's ``get_batch``.
+"""Megatron-core's own pipeline schedule trains a GPTModel on CollectiveLoader's ``get_batch``,
+from a Megatron ``.bin``/``.idx`` corpus read on the leaders only, and resumes exactly.
 
     python examples/megatron_schedule.py              # pp=1 x dp=2 x tp=2, pp=2 x dp=2, pp=4 x dp=1
     python examples/megatron_schedule.py --steps 6
 
-A small GPTModel (megatron-core's local layer spec: 4 layers, hidden 32, vocabulary 64, sequences
+Rank 0 first writes a corpus as Megatron's preprocess_data.py does (``IndexedDatasetBuilder``:
+documents of token ids ending with an end-of-document token). Then, on one world of 4 gloo ranks,
+a small GPTModel (megatron-core's local layer spec: 4 layers, hidden 32, vocabulary 64, sequences
 of 16) is trained for a few steps by ``get_forward_backward_func()`` (1F1B with pp > 1, no
-pipelining at pp = 1), on one world of 4 gloo ranks, with the global batch of 8 sequences per step cut into
-micro-batches of 2. Its ``forward_step`` takes each micro-batch from
-``collective_loader.integrations.megatron.get_batch``: one leader per replica builds the source,
-the first stage gets tokens and position ids, the last stage labels and loss mask, tensor-parallel
-peers the same copies (Megatron's ``get_batch_on_this_tp_rank`` broadcast). Middle stages
-(pp = 4) get no data iterator at all, as in Megatron's own training loop, and never touch the
-loader. Every layout trains the same global batches from the same weights (set by each
-parameter's name, whatever stage or tp rank holds it), so the per-step losses of pp=2 x dp=2 and
-pp=4 x dp=1 must equal those of the unpipelined pp=1 x dp=2 (its 4 ranks as 2 tensor-parallel pairs,
-whose vocabulary-parallel loss is the whole model's): exit 1 if a relative gap exceeds 1e-5.
+pipelining at pp = 1), the global batch of 8 sequences per step cut into micro-batches of 2. Its
+``forward_step`` takes each micro-batch from ``collective_loader.integrations.megatron.get_batch``:
+one leader per replica builds megatron-core's GPTDataset of the corpus and reads it in Megatron-LM's
+sampler order (``collective_loader.integrations.megatron_data``); the first stage gets tokens and
+position ids, the last stage labels and loss mask, tensor-parallel peers the same copies (what
+Megatron's ``get_batch_on_this_tp_rank`` broadcasts). Middle stages (pp = 4) get no data iterator
+at all, as in Megatron's own training loop, and never touch the loader; every rank closes it.
+
+Every layout trains the same global batches from the same weights (set by each parameter's name,
+whatever stage or tp rank holds it), so the per-step losses of pp=2 x dp=2 and pp=4 x dp=1 must
+equal those of the unpipelined pp=1 x dp=2 (its 4 ranks as 2 tensor-parallel pairs, whose
+vocabulary-parallel loss is the whole model's) within a relative 1e-5. pp=2 x dp=2 also saves
+every rank's loader and model state after step 1, and a new run of that layout resumed from it
+must give the uninterrupted run's later losses exactly. Exit 1 otherwise.
 
 What is ours, not Megatron's: data parallelism is a gradient all-reduce over Megatron's data
 parallel group, then ``torch.optim.SGD`` (Megatron's DDP and optimizer wrap CUDA buffers); the
@@ -27,12 +34,14 @@ mesh on ``"cuda"`` and initialize NCCL.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import sys
 import tempfile
 import zlib
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,41 +49,61 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from collective_loader import mesh_place
 from collective_loader.integrations.megatron import MegatronBatch, get_batch, megatron_loader
+from collective_loader.integrations.megatron_data import MegatronSamples, gpt_dataset
 from collective_loader.testing import launch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
 import megatron_cpu  # noqa: E402  (the CPU stand-ins; not needed on GPUs)
 
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS = 64, 16, 32, 4, 4
+EOD, DOCUMENTS = VOCAB - 1, 64
 MICRO, GLOBAL = 2, 8  # sequences per micro-batch, per step (all replicas)
 SEED, LR = 1234, 0.5
 RTOL = 1e-5  # float32: micro-batching, tp's partial sums and the dp all-reduce change the summation order
 WORLD = 4  # ranks
 LAYOUTS = [(1, 2, 2), (2, 2, 1), (4, 1, 1)]  # (pp, dp, tp): the first is the reference
+RESUMED, RESUME_AFTER = (2, 2, 1), 1  # this layout is checkpointed after this step and resumed
 
 
-def sample(i: int) -> torch.Tensor:
-    """Sequence ``i``: SEQ + 1 token ids, a repeated pattern the model can learn."""
-    g = torch.Generator().manual_seed(i)
-    period = int(torch.randint(2, 6, (1,), generator=g))
-    pattern = torch.randint(0, VOCAB, (period,), generator=g)
-    return pattern.repeat(SEQ // period + 2)[: SEQ + 1]
+class Checkpoint(NamedTuple):
+    """One rank's checkpoint: its loader's state and its model's."""
+
+    loader: dict
+    model: dict
 
 
-def micro_batches(dp_rank: int, dp_size: int, steps: int):
-    """A replica's micro-batches (on its leader only): each step's global batch is sequences
-    ``[GLOBAL * step, GLOBAL * (step + 1))``, replica ``d`` training the d-th of dp_size slices."""
-    per_replica = GLOBAL // dp_size
-    for step in range(steps):
-        for k in range(0, per_replica, MICRO):
-            first = GLOBAL * step + per_replica * dp_rank + k
-            tokens = torch.stack([sample(i) for i in range(first, first + MICRO)])
-            yield {
-                "tokens": tokens[:, :-1],
-                "labels": tokens[:, 1:],
-                "loss_mask": torch.ones(MICRO, SEQ),
-                "position_ids": torch.arange(SEQ).expand(MICRO, SEQ),
-            }
+def write_corpus(prefix: str) -> None:
+    """What Megatron's preprocess_data.py writes: documents of token ids (repeated patterns the
+    model can learn), each ending with the end-of-document token ``EOD``, as ``prefix.bin/.idx``."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    g = torch.Generator().manual_seed(SEED)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(DOCUMENTS):
+        period, length = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((2, 6), (8, 48)))
+        pattern = torch.randint(0, EOD, (period,), generator=g)
+        document = torch.cat([pattern.repeat(length // period + 1)[:length], torch.tensor([EOD])])
+        builder.add_document(document.numpy(), [len(document)])
+    builder.finalize(prefix + ".idx")
+
+
+def samples(prefix: str, dp_rank: int, dp_size: int) -> MegatronSamples:
+    """A replica's micro-batches (built on its leader only): megatron-core's GPTDataset of the
+    corpus, in Megatron-LM's sampler order, so every layout trains the same global batches."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    config = GPTDatasetConfig(
+        random_seed=SEED,
+        sequence_length=SEQ,
+        tokenizer=NullTokenizer(EOD),  # its end of document is EOD, its vocabulary VOCAB
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,  # forward_step makes the causal mask: no tensor to send
+    )
+    return MegatronSamples(gpt_dataset(prefix, config), MICRO, dp_rank, dp_size)
 
 
 def set_weights(model: torch.nn.Module, tp: int, tp_rank: int) -> None:
@@ -116,8 +145,12 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, b.loss_mask)
 
 
-def train(pp: int, dp: int, tp: int, steps: int) -> list[float] | None:
-    """One layout on this world: the per-step losses on pp rank pp - 1, tp rank 0 of replica 0, else None."""
+def train(
+    prefix: str, pp: int, dp: int, tp: int, steps: int, resume: Checkpoint | None = None, save_after: int = 0
+) -> tuple[list[float] | None, Checkpoint | None]:
+    """One layout on this world, ``steps`` steps (from ``resume``, this rank's checkpoint of the same
+    layout): the per-step losses on pp rank pp - 1, tp rank 0 of replica 0 (else None), and this
+    rank's checkpoint after step ``save_after`` (None if 0)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -159,15 +192,19 @@ def train(pp: int, dp: int, tp: int, steps: int) -> list[float] | None:
         share_embeddings_and_output_weights=False,
     )
     set_weights(model, tp, tp_rank)
+    if resume is not None:
+        model.load_state_dict(resume.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     megatron_cpu.use_cpu()
     forward_backward = get_forward_backward_func()
 
-    loader = megatron_loader(lambda: micro_batches(place.dp_rank, place.dp_size, steps), mesh, timeout=120)
+    loader = megatron_loader(lambda: samples(prefix, place.dp_rank, place.dp_size), mesh, timeout=120)
+    if resume is not None:
+        loader.load_state_dict(resume.loader)
     data_iterator = iter(loader) if loader.in_delivery else None  # middle stages: none, as in Megatron
     dp_group = parallel_state.get_data_parallel_group()
-    losses = []
-    for _ in range(steps):
+    losses, saved = [], None
+    for step in range(1, steps + 1):
         optimizer.zero_grad()
         reported = forward_backward(
             forward_step_func=forward_step,
@@ -185,21 +222,28 @@ def train(pp: int, dp: int, tp: int, steps: int) -> list[float] | None:
             total = torch.stack([r["lm loss"] for r in reported]).sum(0)
             dist.all_reduce(total, group=dp_group)
             losses.append(float(total[0] / total[1]))
-    if data_iterator is not None:  # the replica's data ends here, on every rank that iterates
-        assert next(data_iterator, None) is None
-    loader.close()
+        if step == save_after:  # every rank, after the same step (SGD without momentum keeps no state)
+            saved = Checkpoint(loader.state_dict(), copy.deepcopy(model.state_dict()))
+    loader.close()  # every rank, middle stages included: a leader's failure would be raised here
     parallel_state.destroy_model_parallel()
-    return losses if last and place.dp_rank == 0 and tp_rank == 0 else None
+    return (losses if last and place.dp_rank == 0 and tp_rank == 0 else None), saved
 
 
-def rank_main(out: str, steps: int = 3) -> int:
+def rank_main(paths: tuple[str, str], steps: int = 3) -> int:
+    prefix, out = paths
+    if dist.get_rank() == 0:
+        write_corpus(prefix)  # Megatron's preprocessing, before training
+    dist.barrier()
     found = {}
     for pp, dp, tp in LAYOUTS:
-        losses = train(pp, dp, tp, steps)
+        losses, saved = train(prefix, pp, dp, tp, steps, save_after=RESUME_AFTER if (pp, dp, tp) == RESUMED else 0)
         if losses is not None:
             found[(pp, dp, tp)] = losses
-    if found:
-        torch.save(found, f"{out}.{dist.get_rank()}")
+        if saved is not None:  # a new run of the same layout from that checkpoint
+            resumed, _ = train(prefix, pp, dp, tp, steps - RESUME_AFTER, resume=saved)
+            if resumed is not None:
+                found["resumed"] = resumed
+    torch.save(found, f"{out}.{dist.get_rank()}")  # each layout's losses come from one rank
     return 0
 
 
@@ -207,23 +251,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3)
     ns = p.parse_args(argv)
-    losses: dict[tuple[int, int, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="cl_megatron_") as tmp:
         out = os.path.join(tmp, "losses")
-        code = launch.run(partial(rank_main, steps=ns.steps), out, WORLD, timeout=300)
+        code = launch.run(
+            partial(rank_main, steps=ns.steps), (os.path.join(tmp, "corpus_text_document"), out), WORLD, timeout=300
+        )
         if code:
             print(f"the world of {WORLD} ranks failed with exit code {code}")
             return 1
-        for name in os.listdir(tmp):
-            losses |= torch.load(os.path.join(tmp, name))
+        losses = {k: v for rank in range(WORLD) for k, v in torch.load(f"{out}.{rank}").items()}
     want = losses[LAYOUTS[0]]
-    ok = sorted(losses) == sorted(LAYOUTS)
+    ok = True
     for pp, dp, tp in LAYOUTS:
         got = losses.get((pp, dp, tp), [])
         gap = max((abs(g - w) / abs(w) for g, w in zip(got, want)), default=float("inf"))
         ok &= gap <= RTOL and len(got) == len(want)
         shown = " ".join(f"{x:.6f}" for x in got)
         print(f"pp={pp} dp={dp} tp={tp}  losses {shown}  worst relative gap to pp=1 dp=2 tp=2 {gap:.2e}")
+    resumed, tail = losses.get("resumed", []), losses[RESUMED][RESUME_AFTER:]
+    exact = resumed == tail
+    ok &= exact
+    pp, dp, tp = RESUMED
+    shown = " ".join(f"{x:.6f}" for x in resumed)
+    print(f"pp={pp} dp={dp} tp={tp}  resumed after step {RESUME_AFTER}: losses {shown}  exact: {exact}")
     print("Megatron's schedule on the loader: parity holds" if ok else "PARITY CHECK FAILED")
     return 0 if ok else 1
 
