@@ -13,8 +13,9 @@ replica take no part in these collectives). In each world, every rank, with the 
 * **exchange** (balancing): ``LeaderGroup.exchange`` of token ids (int64), ``ROWS`` rows of
   ``SEQ + 1`` tokens per leader, all of them moving, spread evenly over the leaders: the most a
   step's all-to-all can carry;
-* **group creation**: ``dist.new_group`` of all W ranks (each a member: gloo connects every pair) and,
-  on rank 0, of the W - 1 others (a non-member's call).
+* **group creation**: ``dist.new_group`` of all W ranks (each a member: gloo connects every pair),
+  on rank 0 of the W - 1 others (a non-member's call), and of all W again with
+  ``TORCH_GLOO_LAZY_INIT=1`` (pairs connect on first use), then that group's first agreement.
 
 Each op runs ``WARMUP`` times, then ``REPS`` times between two barriers; its time is the slowest
 rank's mean. A line t = a + b (W - 1) is fitted per op (least squares); the dp at which it reaches
@@ -62,6 +63,17 @@ def rank_main(out: str) -> int:
         start = time.perf_counter()
         dist.new_group(list(range(1, world)), backend="gloo")
         record["new_group_other"] = time.perf_counter() - start
+    # the same group with gloo's pairs connected on first use (torch reads the variable when it
+    # creates a group's device), then its first collective, which connects the pairs it uses
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    dist.barrier()
+    start = time.perf_counter()
+    lazy = dist.new_group(list(range(world)), backend="gloo")
+    record["new_group_lazy"] = time.perf_counter() - start
+    start = time.perf_counter()
+    agree_outcome(lazy, Kind.DATA, "")
+    record["lazy_first_agreement"] = time.perf_counter() - start
+    del os.environ["TORCH_GLOO_LAZY_INIT"]
     leaders = LeaderGroup(group)
     pieces = [[SEQ // PIECES] * PIECES for _ in range(ROWS)]  # what a leader gathers: its rows' piece lengths
     tokens = ROWS * (SEQ + 1)
@@ -117,7 +129,15 @@ def main() -> int:
     per: dict[str, dict[int, float]] = {}
     for w in worlds:
         ranks = [r for r in records if r["world"] == w]
-        for name in ("agreement", "gather", "exchange", "new_group_member", "new_group_other"):
+        for name in (
+            "agreement",
+            "gather",
+            "exchange",
+            "new_group_member",
+            "new_group_other",
+            "new_group_lazy",
+            "lazy_first_agreement",
+        ):
             if name in ranks[0]:
                 per.setdefault(name, {})[w] = max(r[name] for r in ranks)
     names = {
@@ -136,10 +156,12 @@ def main() -> int:
         for n, (a_, b) in fits.items()
     ]
     group_rows = [
-        (f"new_group, {label}", *(f"{per[n][w] * 1e3:.1f}" if w in per.get(n, {}) else "–" for w in worlds))
+        (label, *(f"{per[n][w] * 1e3:.1f}" if w in per.get(n, {}) else "–" for w in worlds))
         for n, label in (
-            ("new_group_member", "a member (all W ranks)"),
-            ("new_group_other", "not a member (W − 1 others)"),
+            ("new_group_member", "new_group, a member (all W ranks)"),
+            ("new_group_other", "new_group, not a member (W − 1 others)"),
+            ("new_group_lazy", "new_group, a member, `TORCH_GLOO_LAZY_INIT=1`"),
+            ("lazy_first_agreement", "that lazy group's first agreement (connects the pairs it uses)"),
         )
     ]
     body = [
@@ -178,7 +200,7 @@ def verdict(fits: dict[str, tuple[float, float]]) -> list[str]:
         f"{holds[1]} on this machine's figures; the agreement alone (every run pays it) reaches 1 s at dp "
         f"{reach(*fits['agreement'], 1.0)}.",
         "",
-        "Why each grows with dp: gloo's all-reduce is a ring, 2 (dp − 1) hops of 24 B; `all_gather_object` is two "
+        "Why each grows with dp: gloo's all-reduce is a ring by default, 2 (dp − 1) hops of 24 B; `all_gather_object` is two "
         "ring all-gathers (the sizes, then the pickles), 2 (dp − 1) hops, and every leader unpickles dp objects; "
         "the exchange is one all-to-all, dp − 1 messages per leader whose bytes together stay the leader's rows "
         "(128 KiB). Each is latency-bound at these sizes, so b is (hops per leader) × the per-hop latency, "
