@@ -307,16 +307,13 @@ class MeshLayout:
     def _replica_groups(self) -> tuple[ReplicaGroups, ...]:
         # one pass over the ranks with coordinate arithmetic, no Place per rank: every rank
         # lists every group to new_group, so this runs on each of them, at 64k ranks too
-        data, pipe = self._dims("data"), self._dims("pipeline")
+        pipe = self._dims("pipeline")
         last_pp = last_stage_rank(self.pp_size, self.stage_style)
         # per replica: the ranks of its first stage, of its last (when another) and of its middle ones
         stages: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in range(self.dp_size)]
         for coords, rank in zip(itertools.product(*map(range, self.shape)), self.ranks):
-            dp = 0
-            for i in data:
-                dp = dp * self.shape[i] + coords[i]
             pp = coords[pipe[0]] if pipe else 0
-            stages[dp][0 if pp == 0 else 1 if pp == last_pp else 2].append(rank)
+            stages[self._dp_rank(coords)][0 if pp == 0 else 1 if pp == last_pp else 2].append(rank)
         out = []
         for dp, (first, last, middle) in enumerate(stages):
             leader = self.place(first[0]).leader
