@@ -1,24 +1,26 @@
 """Megatron-core's own pipeline schedule trains a GPTModel on CollectiveLoader's ``get_batch``,
 from a Megatron ``.bin``/``.idx`` corpus read on the leaders only, and resumes exactly.
 
-    python examples/megatron_schedule.py              # pp=1 x dp=2 x tp=2, pp=2 x dp=2, pp=4 x dp=1
+    python examples/megatron_schedule.py       # pp=1 x dp=2 x tp=2; pp=2 x dp=2; pp=4 x dp=1; pp=2 x dp=2 x vp=2
     python examples/megatron_schedule.py --steps 6
 
 Rank 0 first writes a corpus as Megatron's preprocess_data.py does (``IndexedDatasetBuilder``:
 documents of token ids ending with an end-of-document token). Then, on one world of 4 gloo ranks,
 a small GPTModel (megatron-core's local layer spec: 4 layers, hidden 32, vocabulary 64, sequences
-of 16) is trained for a few steps by ``get_forward_backward_func()`` (1F1B with pp > 1, no
-pipelining at pp = 1), the global batch of 8 sequences per step cut into micro-batches of 2. Its
+of 16) is trained for a few steps by ``get_forward_backward_func()`` (no pipelining at pp = 1,
+1F1B with pp > 1, the interleaved 1F1B with two model chunks per pp rank, vp = 2), the global batch of 8 sequences per step cut into micro-batches of 2. Its
 ``forward_step`` takes each micro-batch from ``collective_loader.integrations.megatron.get_batch``:
 one leader per replica builds megatron-core's GPTDataset of the corpus and reads it in Megatron-LM's
 sampler order (``collective_loader.integrations.megatron_data``); the first stage gets tokens and
 position ids, the last stage labels and loss mask, tensor-parallel peers the same copies (what
 Megatron's ``get_batch_on_this_tp_rank`` broadcasts). Middle stages (pp = 4) get no data iterator
 at all, as in Megatron's own training loop, and never touch the loader; every rank closes it.
+Under vp = 2 each pp rank holds two chunks (virtual stages): only the chunk that embeds (pp rank 0's
+first) and the one with the loss (the last pp rank's second) read micro-batches.
 
 Every layout trains the same global batches from the same weights (set by each parameter's name,
-whatever stage or tp rank holds it), so the per-step losses of pp=2 x dp=2 and pp=4 x dp=1 must
-equal those of the unpipelined pp=1 x dp=2 (its 4 ranks as 2 tensor-parallel pairs, whose
+whatever stage or tp rank holds it), so the per-step losses of pp=2 x dp=2, pp=4 x dp=1 and
+pp=2 x dp=2 x vp=2 must equal those of the unpipelined pp=1 x dp=2 (its 4 ranks as 2 tensor-parallel pairs, whose
 vocabulary-parallel loss is the whole model's) within a relative 1e-5. pp=2 x dp=2 also saves
 every rank's loader and model state after step 1, and a new run of that layout resumed from it
 must give the uninterrupted run's later losses exactly. Exit 1 otherwise.
@@ -61,8 +63,9 @@ MICRO, GLOBAL = 2, 8  # sequences per micro-batch, per step (all replicas)
 SEED, LR = 1234, 0.5
 RTOL = 1e-5  # float32: micro-batching, tp's partial sums and the dp all-reduce change the summation order
 WORLD = 4  # ranks
-LAYOUTS = [(1, 2, 2), (2, 2, 1), (4, 1, 1)]  # (pp, dp, tp): the first is the reference
-RESUMED, RESUME_AFTER = (2, 2, 1), 1  # this layout is checkpointed after this step and resumed
+# (pp, dp, tp, vp: model chunks per pp rank, Megatron's virtual stages); the first is the reference
+LAYOUTS = [(1, 2, 2, 1), (2, 2, 1, 1), (4, 1, 1, 1), (2, 2, 1, 2)]
+RESUMED, RESUME_AFTER = (2, 2, 1, 1), 1  # this layout is checkpointed after this step and resumed
 
 
 class Checkpoint(NamedTuple):
@@ -70,6 +73,15 @@ class Checkpoint(NamedTuple):
 
     loader: dict
     model: dict
+
+
+class Trained(NamedTuple):
+    """What one layout's run gives a rank: the losses (on the rank that reports them), its
+    checkpoint (when asked for one), and the name of megatron-core's schedule that ran."""
+
+    losses: list[float] | None
+    checkpoint: Checkpoint | None
+    schedule: str
 
 
 def write_corpus(prefix: str) -> None:
@@ -138,16 +150,22 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    """Megatron's forward step: a middle stage has no iterator and asks for no data."""
-    b = get_batch(data_iterator) if data_iterator is not None else MegatronBatch(None, None, None, None, None)
+    """Megatron's forward step: only a model chunk that embeds or computes the loss reads a
+    micro-batch (a middle stage has no iterator at all)."""
+    reads = data_iterator is not None and (model.pre_process or model.post_process)
+    b = get_batch(data_iterator) if reads else MegatronBatch(None, None, None, None, None)
     causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True = masked
     output = model(b.tokens, b.position_ids, causal, labels=b.labels)
     return output, partial(loss_func, b.loss_mask)
 
 
 def train(
-    prefix: str, pp: int, dp: int, tp: int, steps: int, resume: Checkpoint | None = None, save_after: int = 0
-) -> tuple[list[float] | None, Checkpoint | None]:
+    prefix: str,
+    layout: tuple[int, int, int, int],
+    steps: int,
+    resume: Checkpoint | None = None,
+    save_after: int = 0,
+) -> Trained:
     """One layout on this world, ``steps`` steps (from ``resume``, this rank's checkpoint of the same
     layout): the per-step losses on pp rank pp - 1, tp rank 0 of replica 0 (else None), and this
     rank's checkpoint after step ``save_after`` (None if 0)."""
@@ -158,7 +176,11 @@ def train(
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    pp, dp, tp, vp = layout
+    virtual = vp if vp > 1 else None
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=virtual
+    )
     model_parallel_cuda_manual_seed(SEED, inference_rng_tracker=True)
     # Megatron's rank order (tp innermost, then cp, dp, pp) is this mesh's row-major order
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
@@ -168,30 +190,38 @@ def train(
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(),
     )
-    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    last = parallel_state.is_pipeline_last_stage()  # this pp rank holds the loss
 
     config = TransformerConfig(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
         num_attention_heads=HEADS,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,  # each stage builds its LAYERS / pp layers from this
+        pipeline_model_parallel_size=pp,  # each stage builds its LAYERS / (pp * vp) layers from these
+        virtual_pipeline_model_parallel_size=virtual,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
         pipeline_dtype=torch.float32,
         batch_p2p_sync=False,  # its torch.cuda.synchronize() after each batched send/receive
     )
-    model = GPTModel(
-        config,
-        get_gpt_layer_local_spec(),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        pre_process=first,
-        post_process=last,
-        share_embeddings_and_output_weights=False,
-    )
-    set_weights(model, tp, tp_rank)
+    stages = [None] if virtual is None else list(range(vp))  # this pp rank's model chunks
+    chunks = [
+        GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=False,
+            vp_stage=stage,
+        )
+        for stage in stages
+    ]
+    model = torch.nn.ModuleList(chunks)  # one state dict and parameter list for them all
+    for chunk in chunks:
+        set_weights(chunk, tp, tp_rank)
     if resume is not None:
         model.load_state_dict(resume.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -202,14 +232,15 @@ def train(
     if resume is not None:
         loader.load_state_dict(resume.loader)
     data_iterator = iter(loader) if loader.in_delivery else None  # middle stages: none, as in Megatron
+    # one iterator per chunk, all the same: a micro-batch is read by the chunk that embeds or the one with the loss
     dp_group = parallel_state.get_data_parallel_group()
     losses, saved = [], None
     for step in range(1, steps + 1):
         optimizer.zero_grad()
         reported = forward_backward(
             forward_step_func=forward_step,
-            data_iterator=data_iterator,
-            model=model,
+            data_iterator=[data_iterator] * len(chunks),
+            model=chunks,
             num_microbatches=GLOBAL // dp // MICRO,
             seq_length=SEQ,
             micro_batch_size=MICRO,
@@ -226,7 +257,8 @@ def train(
             saved = Checkpoint(loader.state_dict(), copy.deepcopy(model.state_dict()))
     loader.close()  # every rank, middle stages included: a leader's failure would be raised here
     parallel_state.destroy_model_parallel()
-    return (losses if last and place.dp_rank == 0 and tp_rank == 0 else None), saved
+    reports = last and place.dp_rank == 0 and tp_rank == 0
+    return Trained(losses if reports else None, saved, forward_backward.__name__)
 
 
 def rank_main(paths: tuple[str, str], steps: int = 3) -> int:
@@ -235,12 +267,13 @@ def rank_main(paths: tuple[str, str], steps: int = 3) -> int:
         write_corpus(prefix)  # Megatron's preprocessing, before training
     dist.barrier()
     found = {}
-    for pp, dp, tp in LAYOUTS:
-        losses, saved = train(prefix, pp, dp, tp, steps, save_after=RESUME_AFTER if (pp, dp, tp) == RESUMED else 0)
-        if losses is not None:
-            found[(pp, dp, tp)] = losses
-        if saved is not None:  # a new run of the same layout from that checkpoint
-            resumed, _ = train(prefix, pp, dp, tp, steps - RESUME_AFTER, resume=saved)
+    for layout in LAYOUTS:
+        run = train(prefix, layout, steps, save_after=RESUME_AFTER if layout == RESUMED else 0)
+        if run.losses is not None:
+            found[layout] = run.losses
+            found[layout, "schedule"] = run.schedule
+        if run.checkpoint is not None:  # a new run of the same layout from that checkpoint
+            resumed = train(prefix, layout, steps - RESUME_AFTER, resume=run.checkpoint).losses
             if resumed is not None:
                 found["resumed"] = resumed
     torch.save(found, f"{out}.{dist.get_rank()}")  # each layout's losses come from one rank
@@ -262,18 +295,21 @@ def main(argv: list[str] | None = None) -> int:
         losses = {k: v for rank in range(WORLD) for k, v in torch.load(f"{out}.{rank}").items()}
     want = losses[LAYOUTS[0]]
     ok = True
-    for pp, dp, tp in LAYOUTS:
-        got = losses.get((pp, dp, tp), [])
+    for pp, dp, tp, vp in LAYOUTS:
+        got = losses.get((pp, dp, tp, vp), [])
         gap = max((abs(g - w) / abs(w) for g, w in zip(got, want)), default=float("inf"))
         ok &= gap <= RTOL and len(got) == len(want)
         shown = " ".join(f"{x:.6f}" for x in got)
-        print(f"pp={pp} dp={dp} tp={tp}  losses {shown}  worst relative gap to pp=1 dp=2 tp=2 {gap:.2e}")
+        schedule = losses.get(((pp, dp, tp, vp), "schedule"), "?")
+        print(
+            f"pp={pp} dp={dp} tp={tp} vp={vp} {schedule}  losses {shown}  worst relative gap to pp=1 dp=2 tp=2 {gap:.2e}"
+        )
     resumed, tail = losses.get("resumed", []), losses[RESUMED][RESUME_AFTER:]
     exact = resumed == tail
     ok &= exact
-    pp, dp, tp = RESUMED
+    pp, dp, tp, vp = RESUMED
     shown = " ".join(f"{x:.6f}" for x in resumed)
-    print(f"pp={pp} dp={dp} tp={tp}  resumed after step {RESUME_AFTER}: losses {shown}  exact: {exact}")
+    print(f"pp={pp} dp={dp} tp={tp} vp={vp}  resumed after step {RESUME_AFTER}: losses {shown}  exact: {exact}")
     print("Megatron's schedule on the loader: parity holds" if ok else "PARITY CHECK FAILED")
     return 0 if ok else 1
 
