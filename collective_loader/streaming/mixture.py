@@ -53,6 +53,7 @@ from collective_loader.streaming.streams import PackedStream
 from collective_loader.text.layouts import ColumnLayout
 from collective_loader.text.mixture import MixtureSchedule, ReplicaAllocator, WhenExhausted, when_exhausted_of
 from collective_loader.text.packing import Packing, Row, batch_of
+from collective_loader.text.resume import Cursor
 
 log = logging.getLogger(__name__)
 
@@ -153,13 +154,13 @@ class MixtureSource:
 
 class _SourceRows:
     """One source on a leader: its packing stream, read a row at a time into a queue of rows
-    taken from it but not trained yet, each with the stream's snapshot from before it (so a
+    taken from it but not trained yet, each with the packer's cursor from before it (so a
     checkpoint saves the queued rows as not trained)."""
 
     def __init__(self, stream: PackedStream) -> None:
         self.stream = stream
         self.start: Any = None  # the snapshot before the epoch's first row, until one is taken (a resume's state)
-        self.queue: deque[tuple[Row, Any]] = deque()
+        self.queue: deque[tuple[Row, Cursor]] = deque()
         self.epochs = 0  # epochs begun
         self.dropped = 0  # rows taken and never trained: what was queued when an epoch ended early
         self._rows: Iterator[list[Row]] | None = None
@@ -183,13 +184,13 @@ class _SourceRows:
         """Take rows from the stream until ``rows`` are queued; ``False`` if its epoch ends first."""
         assert self._rows is not None, "begin() first"
         while len(self.queue) < rows and not self._ended:
-            before = self.stream.state_dict() if self._taken else None
+            before = self.stream.rows.cursor() if self._taken else None
             pulled = next(self._rows, None)
             if not pulled:
                 self._ended = True
                 break
             self._taken += 1
-            self.queue.append((pulled[0], before if before is not None else self.stream.epoch_start_state()))
+            self.queue.append((pulled[0], before if before is not None else self.stream.epoch_start()))
         return len(self.queue) >= rows
 
     def take(self) -> Row:
@@ -205,7 +206,7 @@ class _SourceRows:
     def snapshot(self) -> Any:
         """The stream's snapshot before its first queued row (after its last trained one)."""
         if self.queue:
-            return self.queue[0][1]
+            return self.stream.snapshot_at(self.queue[0][1])
         return self.stream.state_dict() if self._taken else self.start
 
 

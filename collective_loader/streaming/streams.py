@@ -187,14 +187,15 @@ class PackedStream:
 
     def state_dict(self) -> dict[str, Any]:
         """This leader's snapshot right after a batch; :meth:`checkpoint_state` makes the state."""
-        return self._snapshot(self.rows.cursor())
+        return self.snapshot_at(self.rows.cursor())
 
-    def epoch_start_state(self) -> dict[str, Any]:
-        """The snapshot :meth:`state_dict` would have given before the current epoch's first row
-        (asked once the epoch has started): for a row taken from the stream but not trained yet."""
-        return self._snapshot(Cursor(self.data.first_step(), 0, 0))
+    def epoch_start(self) -> Cursor:
+        """The packer's cursor before the current epoch's first row (asked once it has started)."""
+        return Cursor(self.data.first_step(), 0, 0)
 
-    def _snapshot(self, cursor: Cursor) -> dict[str, Any]:
+    def snapshot_at(self, cursor: Cursor) -> dict[str, Any]:
+        """The snapshot :meth:`state_dict` gave when the packer was at ``cursor`` in this epoch:
+        for rows taken from the stream but not trained yet."""
         state = dict(self.data.epoch_state())
         state["sample_in_epoch"] = cursor.step * self.data.global_batch  # this leader's own: the lowest is saved
         packed = {"cursor": [cursor.step, cursor.index, cursor.offset], "iteration": self.rows.iteration}
