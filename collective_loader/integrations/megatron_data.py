@@ -6,7 +6,8 @@ of every global micro-batch. Here one leader per replica builds the dataset
 (:func:`gpt_dataset`: megatron-core's ``GPTDataset`` over a whole ``.bin``/``.idx`` prefix, no
 collective) and :class:`MegatronSamples` yields that replica's micro-batches in the sampler's
 order, as they are (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, and
-``attention_mask`` when the config creates one), for :func:`~collective_loader.integrations.
+``attention_mask`` when the config creates one; :func:`gpt_blend` blends prefixes as Megatron's
+``BlendedDataset`` does), for :func:`~collective_loader.integrations.
 megatron.megatron_loader` to deliver::
 
     place = mesh_place(mesh, dist.get_rank())
@@ -25,7 +26,10 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["MegatronSamples", "gpt_dataset"]
+__all__ = ["MegatronSamples", "gpt_blend", "gpt_dataset"]
+
+# what megatron_loader routes (and Megatron's get_batch reads) of a GPTDataset sample
+KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
 class SampleDataset(Protocol):
@@ -58,11 +62,39 @@ def gpt_dataset(path_prefix: str, config: Any, num_samples: int | None = None) -
     from megatron.core.datasets.gpt_dataset import GPTDataset
     from megatron.core.datasets.utils import Split
 
-    if config.path_to_cache is None:  # "": GPTDataset then builds its indices in memory, writing nothing
-        config = dataclasses.replace(config, path_to_cache="")
+    config = _in_memory(config)
     documents = GPTDataset.build_low_level_dataset(path_prefix, config)
     indices = np.arange(GPTDataset.numel_low_level_dataset(documents), dtype=np.int32)
     return GPTDataset(documents, path_prefix, indices, num_samples, Split.train, config)
+
+
+def gpt_blend(path_prefixes: Sequence[str], weights: Sequence[float], config: Any, num_samples: int) -> Any:
+    """megatron-core's ``BlendedDataset`` of ``num_samples`` samples drawn from the GPTDatasets of
+    ``path_prefixes`` by ``weights``, built on this rank alone: what ``BlendedMegatronDatasetBuilder``
+    builds for the train split of ``blend=(path_prefixes, weights)``, ``split="100,0,0"`` (each
+    prefix's GPTDataset sized by the builder's own arithmetic, with its ``mid_level_dataset_surplus``).
+
+    Example (on a leader)::
+
+        dataset = gpt_blend(["/data/web_text_document", "/data/code_text_document"], [0.7, 0.3], config, 10_000)
+    """
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import _get_size_per_split_per_dataset
+    from megatron.core.datasets.utils import normalize
+
+    config = _in_memory(config)
+    weights = normalize(list(weights))
+    sizes = [num_samples, 0, 0]  # train, validation, test: the train split only
+    used = [size[0] for size in _get_size_per_split_per_dataset(weights, sizes)]
+    built = [size[0] for size in _get_size_per_split_per_dataset(weights, sizes, config.mid_level_dataset_surplus)]
+    datasets = [gpt_dataset(prefix, config, n) for prefix, n in zip(path_prefixes, built)]
+    return BlendedDataset(datasets, weights, sum(used), config)
+
+
+def _in_memory(config: Any) -> Any:
+    """``config`` with ``path_to_cache=""`` if it has none: megatron-core then builds its indices in
+    memory and writes nothing (with None it would write them beside the data, from rank 0 only)."""
+    return dataclasses.replace(config, path_to_cache="") if config.path_to_cache is None else config
 
 
 class MegatronSamples:
@@ -129,5 +161,6 @@ class MegatronSamples:
 
 
 def _stack(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One micro-batch: each key's samples stacked along a new first dim, as a DataLoader collates them."""
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    """One micro-batch: each key Megatron's ``get_batch`` reads, its samples stacked along a new
+    first dim, as a DataLoader collates them (a blend's ``dataset_id``, which it does not read, is left out)."""
+    return {key: torch.stack([s[key] for s in samples]) for key in KEYS if key in samples[0]}

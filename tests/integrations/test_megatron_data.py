@@ -1,14 +1,18 @@
 """Megatron's indexed datasets (``.bin``/``.idx`` written here by megatron-core's
 ``IndexedDatasetBuilder``) read on the leaders only, through real megatron-core: on a 4-rank gloo
-world (dp=2 x tp=2, pp=1) every rank trains, micro-batch for micro-batch, what Megatron's own data
-path gives its data-parallel rank (``BlendedMegatronDatasetBuilder``'s GPTDataset in this process,
-in Megatron-LM's pretraining-sampler order), while only the two leaders open the files (every
-``open`` of a file under the data directory counted per rank with an audit hook); a resume from
-the loader's state is exact, and on dp=1 x tp=4 (elastic) continues at the same sample."""
+world (default: dp=2 x tp=2, pp=1, one prefix) every rank trains, micro-batch for micro-batch, what
+Megatron's own data path gives its data-parallel rank (``BlendedMegatronDatasetBuilder``'s dataset
+in this process, in Megatron-LM's pretraining-sampler order), while only the two leaders open the
+files (every ``open`` of a file under the data directory counted per rank with an audit hook); a
+resume from the loader's state is exact, and on another data-parallel size (elastic) continues at
+the same sample. The slow variant: a weighted blend of two prefixes on pp=2 x dp=2 (one leader on
+each end of the pipeline), resumed elastically on dp=4 (after the default test, in its world: 8 s more, most of it
+    ranks 1 and 3 importing megatron-core)."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 import warnings
@@ -19,26 +23,32 @@ import ranks
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("megatron.core")
+from collective_loader import mesh_place
+from collective_loader.integrations.megatron import get_batch, megatron_loader
+from collective_loader.integrations.megatron_data import MegatronSamples, gpt_blend, gpt_dataset
 
-from collective_loader import mesh_place  # noqa: E402
-from collective_loader.integrations.megatron import get_batch, megatron_loader  # noqa: E402
-from collective_loader.integrations.megatron_data import MegatronSamples, gpt_dataset  # noqa: E402
+# megatron-core is not imported here: the ranks import this module, and only leaders should import it
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 
 VOCAB, SEQ, MICRO, DOCUMENTS, SEED = 100, 16, 2, 60, 1234
 HEAD, TAIL = 3, 2  # micro-batches before the checkpoint, after it
 FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
+BLEND_SAMPLES = 64  # a weighted blend needs its size (Megatron-LM: train_iters * global batch)
+
+# what a rank reads: prefixes, and weights for a blend (None: the one prefix as it is)
+Data = tuple[tuple[str, ...], tuple[float, ...] | None]
 
 
-def config(prefix: str):
+def config(data: Data):
     """The GPTDatasetConfig of both paths; every option Megatron-LM's pretrain_gpt sets explicitly."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
+    prefixes, weights = data
     return GPTDatasetConfig(
         random_seed=SEED,
         sequence_length=SEQ,
-        blend=([prefix], None),
+        blend=(list(prefixes), None if weights is None else list(weights)),
         split="100,0,0",
         tokenizer=NullTokenizer(VOCAB - 1),  # token VOCAB - 1 is its end of document
         reset_position_ids=False,
@@ -49,37 +59,50 @@ def config(prefix: str):
 
 
 @pytest.fixture(scope="module")
-def prefix(tmp_path_factory) -> str:
-    """DOCUMENTS documents of 3 to 40 tokens, each ending with the end-of-document token, written
-    as preprocess_data.py writes them (uint16 for a small vocabulary)."""
+def corpus(tmp_path_factory) -> tuple[str, str]:
+    """Two prefixes of DOCUMENTS documents of 3 to 40 tokens, each ending with the end-of-document
+    token, written as preprocess_data.py writes them (uint16 for a small vocabulary)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    prefix = str(tmp_path_factory.mktemp("megatron") / "data" / "corpus_text_document")
-    os.makedirs(os.path.dirname(prefix))
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    rng = np.random.default_rng(0)
-    with warnings.catch_warnings():  # numpy 2 on the builder's numpy.array(tensor): a DeprecationWarning
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for _ in range(DOCUMENTS):
-            doc = np.append(rng.integers(0, VOCAB - 1, rng.integers(2, 40)), VOCAB - 1)
-            builder.add_document(torch.from_numpy(doc), [len(doc)])
-    builder.finalize(prefix + ".idx")
-    return prefix
+    directory = tmp_path_factory.mktemp("megatron") / "data"
+    os.makedirs(directory)
+    prefixes = []
+    for seed, name in enumerate(("web_text_document", "code_text_document")):
+        prefix = str(directory / name)
+        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+        rng = np.random.default_rng(seed)
+        with warnings.catch_warnings():  # numpy 2 on the builder's numpy.array(tensor): a DeprecationWarning
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for _ in range(DOCUMENTS):
+                doc = np.append(rng.integers(0, VOCAB - 1, rng.integers(2, 40)), VOCAB - 1)
+                builder.add_document(torch.from_numpy(doc), [len(doc)])
+        builder.finalize(prefix + ".idx")
+        prefixes.append(prefix)
+    return prefixes[0], prefixes[1]
+
+
+def leader_dataset(data: Data):
+    """What a leader builds: collective_loader's one-rank builds of Megatron's datasets."""
+    prefixes, weights = data
+    if weights is None:
+        return gpt_dataset(prefixes[0], config(data))
+    return gpt_blend(prefixes, weights, config(data), BLEND_SAMPLES)
 
 
 @functools.cache
-def megatron_dataset(prefix: str):
-    """Megatron's own GPTDataset of ``prefix``: its builder's train split, built in this process."""
+def megatron_dataset(data: Data):
+    """Megatron's own dataset of ``data``: its builder's train split, built in this process."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    return BlendedMegatronDatasetBuilder(GPTDataset, [None, None, None], lambda: True, config(prefix)).build()[0]
+    sizes = [None, None, None] if data[1] is None else [BLEND_SAMPLES, 0, 0]
+    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config(data)).build()[0]
 
 
-def megatron_micro_batches(prefix: str, dp_rank: int, dp_size: int, consumed: int, count: int) -> list[dict]:
-    """What Megatron's own path gives a data-parallel rank: its GPTDataset, sliced as Megatron-LM's
+def megatron_micro_batches(data: Data, dp_rank: int, dp_size: int, consumed: int, count: int) -> list[dict]:
+    """What Megatron's own path gives a data-parallel rank: its dataset, sliced as Megatron-LM's
     MegatronPretrainingSampler slices each global micro-batch of micro * dp samples."""
-    dataset = megatron_dataset(prefix)
+    dataset = megatron_dataset(data)
     out = []
     for m in range(count):
         first = consumed + m * MICRO * dp_size + dp_rank * MICRO
@@ -89,6 +112,7 @@ def megatron_micro_batches(prefix: str, dp_rank: int, dp_size: int, consumed: in
 
 
 _opens: list[str] = []
+_watched = [""]
 
 
 def _count_opens(event: str, args: tuple) -> None:
@@ -96,15 +120,14 @@ def _count_opens(event: str, args: tuple) -> None:
         _opens.append(args[0])
 
 
-_watched = [""]
-
-
-def run_rank(prefix: str) -> dict:
-    """dp=2 x tp=2: HEAD micro-batches, the loader's state, TAIL more; a new loader resumed from
-    that state; then a dp=1 x tp=4 loader resumed from it (elastic). Also the data files this
-    process opened before the last (where every rank but 0 stays a receiver)."""
+def run_rank(
+    data: Data, mesh: tuple[tuple[str, ...], tuple[int, ...]], elastic: tuple[tuple[str, ...], tuple[int, ...]]
+) -> dict:
+    """On ``mesh``: HEAD micro-batches, the loader's state, TAIL more; a new loader resumed from
+    that state; then one on ``elastic`` resumed from it. What this rank received of each (the
+    fields its stage gets), and the data files this process opened before the elastic run."""
     if not _watched[0]:
-        _watched[0] = os.path.dirname(prefix)
+        _watched[0] = os.path.dirname(data[0][0])
         sys.addaudithook(_count_opens)  # for the life of this rank's process: only this test's files count
     _opens.clear()
 
@@ -113,7 +136,7 @@ def run_rank(prefix: str) -> dict:
         place = mesh_place(mesh, dist.get_rank())
 
         def source():  # the leaders only
-            return MegatronSamples(gpt_dataset(prefix, config(prefix)), MICRO, place.dp_rank, place.dp_size)
+            return MegatronSamples(leader_dataset(data), MICRO, place.dp_rank, place.dp_size)
 
         loader = megatron_loader(source, mesh, timeout=60)
         if state is not None:
@@ -121,41 +144,63 @@ def run_rank(prefix: str) -> dict:
         it = iter(loader)
         got, saved = [], None
         for step in range(steps):
-            got.append(get_batch(it))
+            b = get_batch(it)
+            got.append({k: getattr(b, k) for k in FIELDS if getattr(b, k) is not None})
             if step + 1 == HEAD:
                 saved = loader.state_dict()
         loader.close()
         return place, got, saved
 
-    place, full, saved = run(("dp", "tp"), (2, 2))
-    _, resumed, _ = run(("dp", "tp"), (2, 2), state=saved, steps=TAIL)
+    place, full, saved = run(*mesh)
+    _, resumed, _ = run(*mesh, state=saved, steps=TAIL)
     opened = sorted(set(_opens))
-    # one replica: rank 0 alone leads, so no other rank imports megatron-core (5 s of CPU each)
-    elastic_place, elastic, _ = run(("dp", "tp"), (1, 4), state=saved, steps=TAIL)
+    elastic_place, elastic_got, _ = run(*elastic, state=saved, steps=TAIL)
     return {
-        "dp_rank": place.dp_rank,
-        "leader": place.is_leader,
-        "full": [{k: getattr(b, k) for k in FIELDS} for b in full],
-        "resumed": [{k: getattr(b, k) for k in FIELDS} for b in resumed],
-        "elastic_dp_rank": elastic_place.dp_rank,
-        "elastic": [{k: getattr(b, k) for k in FIELDS} for b in elastic],
+        "place": place,
+        "full": full,
+        "resumed": resumed,
+        "elastic_place": elastic_place,
+        "elastic": elastic_got,
         "opens": opened,
     }
 
 
-@pytest.mark.timeout(240)
-def test_leaders_read_indexed_data_as_megatron_does_with_exact_and_elastic_resume(worlds, prefix):
-    results = worlds.get(4).run(run_rank, prefix, timeout=200)
-    files = {prefix + ".bin", prefix + ".idx"}
+STAGE_FIELDS = {"both": set(FIELDS), "first": {"tokens", "position_ids"}, "last": {"labels", "loss_mask"}}
+
+
+def check(data: Data, results: list[dict]) -> None:
+    files = {prefix + suffix for prefix in data[0] for suffix in (".bin", ".idx")}
     for rank, r in enumerate(results):
-        want = megatron_micro_batches(prefix, r["dp_rank"], 2, consumed=0, count=HEAD + TAIL)
+        place, elastic = r["place"], r["elastic_place"]
+        want = megatron_micro_batches(data, place.dp_rank, place.dp_size, consumed=0, count=HEAD + TAIL)
         for step, (got, expected) in enumerate(zip(r["full"], want, strict=True)):
-            for k in FIELDS:  # every rank, tp peers included: its replica's micro-batch, exactly
+            assert set(got) == STAGE_FIELDS[place.stage], (rank, step, sorted(got))
+            for k in got:  # every rank, tp peers included: its replica's micro-batch, exactly
                 assert torch.equal(got[k], expected[k]), (rank, step, k)
-        assert all(torch.equal(a[k], b[k]) for a, b in zip(r["resumed"], r["full"][HEAD:], strict=True) for k in FIELDS)
-        consumed = HEAD * MICRO * 2  # the state's consumed_samples, at dp=1 the same
-        want = megatron_micro_batches(prefix, r["elastic_dp_rank"], 1, consumed=consumed, count=TAIL)
-        assert all(torch.equal(a[k], b[k]) for a, b in zip(r["elastic"], want, strict=True) for k in FIELDS), rank
-        # the leaders (one per replica) open the .bin and .idx, each loader once; the others nothing
-        assert set(r["opens"]) == (files if r["leader"] else set()), (rank, r["opens"])
-    assert sum(r["leader"] for r in results) == 2
+        for a, b in zip(r["resumed"], r["full"][HEAD:], strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank
+        consumed = HEAD * MICRO * place.dp_size  # the state's consumed_samples, on any dp the same
+        want = megatron_micro_batches(data, elastic.dp_rank, elastic.dp_size, consumed=consumed, count=TAIL)
+        for a, b in zip(r["elastic"], want, strict=True):
+            assert set(a) == STAGE_FIELDS[elastic.stage] and all(torch.equal(a[k], b[k]) for k in a), rank
+        # the leaders (one per replica) open the .bin and .idx files; the others nothing
+        assert set(r["opens"]) == (files if place.is_leader else set()), (rank, r["opens"])
+    assert sum(r["place"].is_leader for r in results) == results[0]["place"].dp_size
+
+
+@pytest.mark.timeout(240)
+def test_leaders_read_indexed_data_as_megatron_does_with_exact_and_elastic_resume(worlds, corpus):
+    """dp=2 x tp=2, one prefix; elastic on dp=1 x tp=4 (rank 0 alone leads: ranks 1 and 3 never
+    import megatron-core, 5 s of CPU each)."""
+    data = ((corpus[0],), None)
+    check(data, worlds.get(4).run(run_rank, data, (("dp", "tp"), (2, 2)), (("dp", "tp"), (1, 4)), timeout=200))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_blend_on_both_pipeline_ends_as_megatron_blends_it(worlds, corpus):
+    """pp=2 x dp=2 (replica 0's leader on the first stage, replica 1's on the last), a blend of two
+    prefixes by weights 0.3 / 0.7 (megatron-core's BlendedDataset, each prefix's GPTDataset sized
+    as its builder sizes them); elastic on dp=4, where every rank leads."""
+    data = (corpus, (0.3, 0.7))
+    check(data, worlds.get(4).run(run_rank, data, (("pp", "dp"), (2, 2)), (("dp",), (4,)), timeout=260))
