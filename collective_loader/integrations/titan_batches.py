@@ -14,10 +14,9 @@ import torch
 from collective_loader.text import TextColumn, lm_collate
 from collective_loader.text.layouts import ColumnLayout
 
-__all__ = ["PACKED_KEYS", "SOURCE_ID", "check_columns", "titan_collate", "titan_inputs"]
+__all__ = ["PACKED_KEYS", "check_columns", "titan_collate", "titan_inputs"]
 
 PACKED_KEYS = {"input_ids": "input", "position_ids": "positions"}  # a packed batch's inputs -> TorchTitan's
-SOURCE_ID = "source_id"  # a mixture's row sources (MixtureSource), which TorchTitan's train step has no place for
 
 
 def titan_collate(
@@ -46,17 +45,12 @@ def titan_collate(
 
 def titan_inputs(input_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A delivered batch's inputs under TorchTitan's names (a packed batch's ``input_ids`` and
-    ``position_ids``); other keys, TorchTitan's already, are kept, but a mixture's ``source_id``.
+    ``position_ids``); other keys, TorchTitan's already, are kept.
 
-    TorchTitan 0.3's train step has no place for ``source_id``: it passes every key of the inputs
-    but ``input`` to the model's ``forward`` as a keyword, on every pipeline stage (a llama3
-    ``Decoder`` takes no ``source_id``), and takes the labels as one tensor (it counts and moves
-    them, and hands them to the loss). So it is dropped here, once every rank has it.
-
-    >>> list(titan_inputs({"input_ids": torch.zeros(1), "position_ids": torch.zeros(1), "source_id": torch.zeros(1)}))
+    >>> list(titan_inputs({"input_ids": torch.zeros(1), "position_ids": torch.zeros(1)}))
     ['input', 'positions']
     """
-    return {PACKED_KEYS.get(key, key): value for key, value in input_dict.items() if key != SOURCE_ID}
+    return {PACKED_KEYS.get(key, key): value for key, value in input_dict.items()}
 
 
 def check_columns(layout: ColumnLayout, columns: Mapping[str, str]) -> None:

@@ -26,7 +26,6 @@ from torchtitan.components.dataloader import BaseDataLoader
 from collective_loader.integrations.titan import DATA_MESH, TitanDataLoader
 from collective_loader.integrations.titan_batches import (
     PACKED_KEYS,
-    SOURCE_ID,
     check_columns,
     titan_collate,
     titan_inputs,
@@ -84,9 +83,10 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
     With ``mixture`` (a ``.json`` or ``.toml`` file, :func:`~collective_loader.text.read_mixture`) it
     reads several datasets instead, each packed into rows of its own, and draws each row of a
     batch from the source its schedule names (:class:`~collective_loader.streaming.MixtureSource`,
-    ``docs/mixtures.md``), with the layout, packing and batch the flags give one dataset. The
-    mixture's ``source_id`` is delivered and dropped (:func:`~.titan_batches.titan_inputs`): TorchTitan's
-    train step has no place for it.
+    ``docs/mixtures.md``), with the layout, packing and batch the flags give one dataset, and no
+    ``source_id`` key: TorchTitan 0.3's train step passes every input but ``input`` to the model's
+    ``forward`` on every stage (a llama3 ``Decoder`` takes no ``source_id``) and takes the labels
+    as one tensor, so it has no place for it.
 
     Yields ``({"input": ..., "positions": ...}, labels)`` of ``local_batch_size`` rows (the
     pipeline micro-batch when pp > 1), on every rank of every stage. Its checkpoint state is
@@ -209,10 +209,11 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
                 num_workers=config.num_workers,
                 stage_style=config._stage_style,
                 timeout=config.timeout,
+                source_key=None,  # TorchTitan's train step has no place for it
                 allow_edit=config.mixture_allow_edit,
             )
             build: Any = functools.partial(_checked_mixture, mixture, layout)
-            inputs: tuple[str, ...] = (*PACKED_KEYS, SOURCE_ID)
+            inputs: tuple[str, ...] = tuple(PACKED_KEYS)
         else:
             build, inputs = _one_dataset(config, mesh, layout, packing, seq_len, local_batch_size)
         super().__init__(build, mesh, inputs=inputs, timeout=config.timeout, stage_style=config._stage_style)

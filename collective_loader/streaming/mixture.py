@@ -22,8 +22,8 @@ edited (other weights, a source added or dropped: logged at INFO)::
                            schedule, batch_size=8, packing=Packing(seq_len=2048))
     loader = CollectiveLoader(source, mesh, inputs=("input_ids",), labels=("labels", "source_id"))
 
-Every batch carries ``source_id`` ``(R,)`` int64: each row's source, its index in
-``MixtureSource.names`` (a trainer logs the loss per source from it).
+Every batch carries ``source_id`` ``(R,)`` int64 (``source_key=``; ``None``: no such key): each
+row's source, its index in ``MixtureSource.names`` (a trainer logs the loss per source from it).
 
 **When a source runs out** on some leader (each leader reads its own part of every source), its
 ``when_exhausted`` policy applies on every leader at the same step: ``"end"`` (the default) ends
@@ -76,6 +76,8 @@ class MixtureSource:
         layout: where a sample's tokens are, the same for every source.
         documents_per_batch, num_workers, placement, stage_style, clean_stale, timeout,
         dataloader_kwargs: as for ``StreamingSource``, for every source.
+        source_key: the batch key of each row's source (its index in ``names``), ``(R,)`` int64;
+            ``None``: no such key.
         allow_edit: resume a state saved under another schedule (its future edited: other weights,
             a source added or dropped; each change logged at INFO). Without it such a state is
             refused, naming what changed.
@@ -97,6 +99,7 @@ class MixtureSource:
         clean_stale: bool = False,
         timeout: float = 600.0,
         dataloader_kwargs: Mapping[str, Any] | None = None,
+        source_key: str | None = "source_id",
         allow_edit: bool = False,
     ) -> None:
         missing = sorted(set(schedule.sources) - set(sources))
@@ -108,7 +111,8 @@ class MixtureSource:
             raise ValueError(f"batch_size must be >= 1 row per replica and step, got {batch_size}")
         self.when_exhausted = when_exhausted_of(sources, "MixtureSource")
         self.names: tuple[str, ...] = tuple(sorted(sources))
-        self.schedule, self.batch_size, self.packing, self.allow_edit = schedule, batch_size, packing, allow_edit
+        self.schedule, self.batch_size, self.packing = schedule, batch_size, packing
+        self.source_key, self.allow_edit = source_key, allow_edit
         self._sources = {
             name: StreamingSource(
                 mesh,
@@ -147,6 +151,7 @@ class MixtureSource:
             self.packing,
             (self.place.dp_rank, self.place.dp_size),
             self.when_exhausted,
+            self.source_key,
             self.allow_edit,
             self._agreement if self._agreement is not None and self._agreement.group is not None else None,
         )
@@ -234,6 +239,7 @@ class MixtureStream:
         packing: Packing,
         replica: tuple[int, int],
         when_exhausted: Mapping[str, WhenExhausted],
+        source_key: str | None,
         allow_edit: bool,
         agreement: LeaderGroup | None,
     ) -> None:
@@ -241,7 +247,7 @@ class MixtureStream:
         self.names = tuple(self.sources)
         self.schedule, self.batch_size, self.packing = schedule, batch_size, packing
         self.dp_rank, self.dp_size = replica
-        self.when_exhausted, self.allow_edit = dict(when_exhausted), allow_edit
+        self.when_exhausted, self.source_key, self.allow_edit = dict(when_exhausted), source_key, allow_edit
         self.agreement = agreement
         self.allocator = ReplicaAllocator(schedule, self.dp_size)
         self.progress = 0.0  # in the schedule's unit, over every replica
@@ -270,7 +276,8 @@ class MixtureStream:
                 weights = self.allocator.rows.weights_at(start)
                 log.debug("mixture step: rows %s, weights %s", {n: chosen.count(n) for n in self.names}, weights)
             batch: dict[str, Any] = batch_of(rows, self.packing, self.batch_size)
-            batch["source_id"] = torch.tensor([index[name] for name in chosen], dtype=torch.int64)
+            if self.source_key is not None:
+                batch[self.source_key] = torch.tensor([index[name] for name in chosen], dtype=torch.int64)
             yield batch
 
     def _allocate(self) -> list[str] | None:

@@ -27,7 +27,6 @@ import titan_text
 import torch
 from test_titan_trainer_text import BATCH, DP, SEQ, STEPS, TOLERANCE, Data, Run, assert_packed, rows, train, write_text
 
-from collective_loader.integrations.titan_batches import titan_inputs
 from collective_loader.integrations.titan_streaming import (
     GlobalBatch,
     TitanStreamingDataLoader,
@@ -100,11 +99,6 @@ def test_a_mixture_the_flags_cannot_read_is_refused_naming_the_flag(tmp_path, fi
     config = with_mesh(TitanStreamingDataLoader.Config(**fields), "a mesh")
     with pytest.raises(ValueError, match=message):  # raised in __init__, which every rank runs, before any collective
         config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=8, local_batch_size=1)
-
-
-def test_the_mixtures_source_id_does_not_reach_torchtitans_train_step():
-    delivered = {"input_ids": torch.zeros(2, 4), "position_ids": torch.zeros(2, 4), "source_id": torch.zeros(2)}
-    assert list(titan_inputs(delivered)) == ["input", "positions"]
 
 
 class Loads:
