@@ -7,8 +7,8 @@ of every global micro-batch. Here one leader per replica builds the dataset
 collective) and :class:`MegatronSamples` yields that replica's micro-batches in the sampler's
 order, as they are (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, and
 ``attention_mask`` when the config creates one; :func:`gpt_blend` blends prefixes as Megatron's
-``BlendedDataset`` does), for :func:`~collective_loader.integrations.
-megatron.megatron_loader` to deliver::
+``BlendedDataset`` does), for
+:func:`~collective_loader.integrations.megatron.megatron_loader` to deliver::
 
     place = mesh_place(mesh, dist.get_rank())
     source = lambda: MegatronSamples(gpt_dataset(prefix, config), micro_batch_size, place.dp_rank, place.dp_size)
@@ -50,7 +50,9 @@ def gpt_dataset(path_prefix: str, config: Any, num_samples: int | None = None) -
     ``config`` is a ``GPTDatasetConfig``; ``num_samples`` (None: one epoch) as Megatron-LM's
     ``train_iters * global_batch_size``. A config without ``path_to_cache`` builds the shuffle
     indices in memory on each leader (Megatron's builder would write them beside the data from
-    rank 0 and have the other ranks wait for them); a ``path_to_cache`` whose indices exist is read.
+    rank 0 and have the other ranks wait for them). Give ``path_to_cache`` only where an earlier
+    Megatron run wrote them: megatron-core builds them there on global rank 0 alone, and another
+    leader would fail to read them.
 
     Example (on a leader)::
 
