@@ -15,12 +15,19 @@ replica take no part in these collectives). In each world, every rank, with the 
   step's all-to-all can carry;
 * **group creation**: ``dist.new_group`` of all W ranks (each a member: gloo connects every pair),
   on rank 0 of the W - 1 others (a non-member's call), and of all W again with
-  ``TORCH_GLOO_LAZY_INIT=1`` (pairs connect on first use), then that group's first agreement.
+  ``TORCH_GLOO_LAZY_INIT=1`` (pairs connect on first use), then that group's first agreement;
+* **blocks** (``Balance(replicas=k)``, for each k of ``BLOCKS`` that divides W and is less): every
+  rank builds the blocks' groups as ``StreamingSource`` does (``source.balance_group``), then the
+  gather and the exchange above among a block's k leaders, every block at once and block 0 alone
+  (the others wait at a barrier: on a cluster each block runs on cores of its own, which this
+  machine's 2 cores cannot give W processes at once).
 
 Each op runs ``WARMUP`` times, then ``REPS`` times between two barriers; its time is the slowest
 rank's mean. A line t = a + b (W - 1) is fitted per op (least squares); the dp at which it reaches
 a 1 s and a 5 s step is where it stops hiding behind the step: the transfer thread runs it once per
-step, ``prefetch`` steps ahead, so it must take less than a step on average.
+step, ``prefetch`` steps ahead, so it must take less than a step on average. With blocks of k, a
+step costs the agreement over every leader (the fit at dp) plus a block's gather and exchange,
+taken from the world of k leaders (a block's collectives involve its k leaders alone).
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from harness import Run, keep, kept, table  # run as python bench/<name>.py
 from collective_loader.testing import launch
 
 WORLDS = (2, 4, 8, 16, 32)
+BLOCKS = (4, 8, 16)  # Balance(replicas=k) measured inside the larger worlds; k = 32 is the world of 32
+MODEL_BLOCKS = (8, 32)  # the block sizes the model table states
 ROWS, SEQ, PIECES = 4, 4096, 8  # per leader and step: 4 rows of 4096 tokens, 8 documents a row
 WARMUP, REPS = 5, 40
 STEPS = (1.0, 5.0)  # step times to hide behind (seconds)
@@ -53,6 +62,8 @@ def rank_main(out: str) -> int:
     from collective_loader.delivery.agreement import agree_outcome
     from collective_loader.delivery.leaders import LeaderGroup
     from collective_loader.plan.wire import Kind
+    from collective_loader.streaming.source import balance_group
+    from collective_loader.text.balance import Balance
 
     rank, world = dist.get_rank(), dist.get_world_size()
     record: dict[str, Any] = {"rank": rank, "world": world}
@@ -77,22 +88,47 @@ def rank_main(out: str) -> int:
     leaders = LeaderGroup(group)
     pieces = [[SEQ // PIECES] * PIECES for _ in range(ROWS)]  # what a leader gathers: its rows' piece lengths
     tokens = ROWS * (SEQ + 1)
-    counts = [tokens // world + (j < tokens % world) for j in range(world)]
     send = torch.arange(tokens, dtype=torch.int64)
-    ops: dict[str, Callable[[], Any]] = {
-        "agreement": lambda: agree_outcome(group, Kind.DATA, ""),
-        "gather": lambda: leaders.gather(("ok", pieces)),
-        "exchange": lambda: leaders.exchange(send, counts, [counts[rank]] * world),
-    }
-    for name, op in ops.items():
+
+    def balancing(leaders: LeaderGroup, size: int) -> dict[str, Callable[[], Any]]:
+        """A step's gather and exchange among ``size`` leaders: this leader's rows spread evenly."""
+        counts = [tokens // size + (j < tokens % size) for j in range(size)]
+        return {
+            "gather": lambda: leaders.gather(("ok", pieces)),
+            "exchange": lambda: leaders.exchange(send, counts, [counts[leaders.rank]] * size),
+        }
+
+    def timed(op: Callable[[], Any] | None) -> float | None:
+        """``op``'s mean time between two barriers of the world; ``None`` runs nothing and waits."""
+        if op is None:
+            dist.barrier(group)
+            dist.barrier(group)
+            return None
         for _ in range(WARMUP):
             op()
         dist.barrier(group)
         start = time.perf_counter()
         for _ in range(REPS):
             op()
-        record[name] = (time.perf_counter() - start) / REPS
+        took = (time.perf_counter() - start) / REPS
+        dist.barrier(group)
+        return took
+
+    ops = {"agreement": lambda: agree_outcome(group, Kind.DATA, ""), **balancing(leaders, world)}
+    for name, op in ops.items():
+        record[name] = timed(op)
     record["exchange_bytes"] = tokens * 8
+    for k in BLOCKS:
+        if world <= k or world % k:
+            continue
+        start = time.perf_counter()
+        block = balance_group(Balance(replicas=k).blocks(world), range(world), rank, TIMEOUT)
+        record[f"build_{k}"] = time.perf_counter() - start
+        for name, op in balancing(block, k).items():
+            record[f"{name}_{k}"] = timed(op)
+            alone = timed(op if rank < k else None)
+            if alone is not None:
+                record[f"{name}_{k}_alone"] = alone
     dist.barrier(group)
     keep(out, record)
     return 0
@@ -126,20 +162,13 @@ def main() -> int:
                 return code
             print(f"{w} leaders done", flush=True)
         records = [record for records in kept(out).values() for record in records]  # one per rank and world
-    per: dict[str, dict[int, float]] = {}
+    per: dict[str, dict[int, float]] = {}  # op -> W -> the slowest rank's time (over the ranks that ran it)
     for w in worlds:
-        ranks = [r for r in records if r["world"] == w]
-        for name in (
-            "agreement",
-            "gather",
-            "exchange",
-            "new_group_member",
-            "new_group_other",
-            "new_group_lazy",
-            "lazy_first_agreement",
-        ):
-            if name in ranks[0]:
-                per.setdefault(name, {})[w] = max(r[name] for r in ranks)
+        for r in records:
+            if r["world"] == w:
+                for name, value in r.items():
+                    if name not in ("rank", "world", "exchange_bytes"):
+                        per.setdefault(name, {})[w] = max(value, per.get(name, {}).get(w, 0.0))
     names = {
         "agreement": "agreement: 24 B all-reduce",
         "gather": f"balancing gather: {ROWS}×{PIECES} piece lengths",
@@ -180,7 +209,11 @@ def main() -> int:
         ),
     ]
     body += verdict(fits)
-    results = {"meta": run.meta(worlds=list(worlds), rows=ROWS, seq=SEQ, pieces=PIECES, reps=REPS), "per": per}
+    body += blocks(per, worlds, fits)
+    results = {
+        "meta": run.meta(worlds=list(worlds), blocks=list(BLOCKS), rows=ROWS, seq=SEQ, pieces=PIECES, reps=REPS),
+        "per": per,
+    }
     run.write(
         "leader_collectives_quick" if a.quick else "leader_collectives",
         "The leaders' per-step collectives",
@@ -206,6 +239,63 @@ def verdict(fits: dict[str, tuple[float, float]]) -> list[str]:
         "(128 KiB). Each is latency-bound at these sizes, so b is (hops per leader) × the per-hop latency, "
         "measured here on 2 shared cores; where a hop is k times faster (a network with a core per process), "
         "every dp limit above is k times larger.",
+        "",
+    ]
+
+
+def blocks(
+    per: dict[str, dict[int, float]], worlds: tuple[int, ...], fits: dict[str, tuple[float, float]]
+) -> list[str]:
+    """``Balance(replicas=k)``: a block's collectives measured in each world, and the model of a step."""
+
+    def cell(name: str, k: int, w: int) -> str:
+        at = per.get(name if w > k else name.split("_")[0], {}).get(w)  # W = k: the world of k leaders
+        return "–" if at is None or w < k else f"{at * 1e3:.2f}"
+
+    measured = [
+        (f"{label}, blocks of {k}{how}", *(cell(f"{op}_{k}{key}", k, w) for w in worlds))
+        for k in BLOCKS
+        for op, label in (("gather", "gather"), ("exchange", "exchange"))
+        for key, how in (("", ", every block at once"), ("_alone", ", block 0 alone"))
+    ] + [
+        (f"building every block's group of {k} (W / k `new_group` calls)", *(cell(f"build_{k}", k, w) for w in worlds))
+        for k in BLOCKS
+    ]
+    a, b = fits["agreement"]
+    lines = {"all leaders (k = dp)": ("–", fits["total"])}  # the three fitted together above
+    for k in (k for k in MODEL_BLOCKS if k in worlds):
+        block = per["gather"][k] + per["exchange"][k]
+        lines[f"blocks of k = {k}"] = (f"{block * 1e3:.1f}", (a + block, b))
+    model = [
+        (label, at)
+        + tuple(f"{(a_ + b_ * (dp - 1)) * 1e3:,.0f}" for dp in (128, 1024, 4096))
+        + tuple(reach(a_, b_, s) for s in STEPS)
+        for label, (at, (a_, b_)) in lines.items()
+    ]
+    k8 = per["gather"][8] + per["exchange"][8] + a + b * 1023
+    return [
+        "## Balancing in blocks of replicas: `Balance(replicas=k)`",
+        "",
+        "Each block of k consecutive replicas gathers and exchanges among its own k leaders; every rank "
+        "builds every block's group. Measured in worlds of W leaders (ms, slowest rank; the W = k column "
+        "is the world of k leaders above):",
+        "",
+        *table("op | " + " | ".join(f"W = {w}" for w in worlds), measured),
+        "Every block at once, the W processes share 2 cores, so a block's time grows with W here from the "
+        "scheduler alone; block 0 alone (the others wait) is what a block costs on cores of its own, as on a "
+        "cluster, and stays near the world of k's.",
+        "",
+        "A step with blocks of k: the agreement over every leader (its fit at dp) plus a block's gather and "
+        "exchange as measured in the world of k leaders (ms):",
+        "",
+        *table(
+            "balancing | a block's gather + exchange ms | dp 128 ms | dp 1,024 ms | dp 4,096 ms | "
+            "exceeds a 1 s step at dp | exceeds a 5 s step at dp",
+            model,
+        ),
+        f"**Blocks at dp 1,024**: with k = 8 a step's collectives take {k8:.2f} s by this model, and what "
+        "grows with dp is the agreement alone, which every run pays. The placement's CPU time shrinks too: it "
+        "places k replicas' pieces instead of dp's (bench/results/balance.md has its time against dp).",
         "",
     ]
 

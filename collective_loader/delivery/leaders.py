@@ -24,7 +24,9 @@ Local = TypeVar("Local")
 
 class LeaderGroup:
     """The leaders' group seen from one leader; ``group`` is ``None`` when this leader is alone
-    (one replica), and every collective then returns at once.
+    (one replica), and every collective then returns at once. ``first_replica``: the replica of
+    the group's first leader, for errors (a group of the leaders of consecutive replicas, such as
+    a block of :class:`~collective_loader.text.balance.Balance`'s ``replicas``).
 
     Example (every rank builds it; only leaders use it)::
 
@@ -33,15 +35,15 @@ class LeaderGroup:
             states = leaders.gather(my_state)   # one entry per leader, in dp_rank order
     """
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, first_replica: int = 0) -> None:
+        self.group, self.first_replica = group, first_replica
 
     @classmethod
-    def build(cls, leaders: Sequence[int], timeout: float, name: str) -> LeaderGroup:
+    def build(cls, leaders: Sequence[int], timeout: float, name: str, first_replica: int = 0) -> LeaderGroup:
         """Every rank of the world, in the same order: the group of ``leaders`` (global ranks)."""
         if len(leaders) < 2:
-            return cls(None)
-        return cls(new_group(sorted(leaders), "gloo", timeout, f"collective_loader:{name}"))
+            return cls(None, first_replica)
+        return cls(new_group(sorted(leaders), "gloo", timeout, f"collective_loader:{name}"), first_replica)
 
     @property
     def rank(self) -> int:
@@ -70,7 +72,9 @@ class LeaderGroup:
         heard = self.gather(("ok", shared))
         for j, (kind, value) in enumerate(heard):
             if kind == "error":
-                raise LeaderError(f"the leader of replica {j} failed while the leaders {what}: {value}")
+                raise LeaderError(
+                    f"the leader of replica {self.first_replica + j} failed while the leaders {what}: {value}"
+                )
         return local, [value for _, value in heard]
 
     def exchange(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:

@@ -10,6 +10,12 @@ is gathered over on the training thread).
 Every leader takes part in every step's gather, also to say that its data ended (the epoch ends on
 every leader at that step, as without balancing) or that its source raised (every leader raises,
 naming it), so no leader is left waiting in the all-to-all.
+
+With ``Balance(replicas=k)`` each block of ``k`` consecutive replicas does all of this among its
+own leaders, over a group of its own: a step's collectives cost what they cost at dp = ``k``. A
+block whose data ends, or whose source raises, stops at that step while the others have loaded
+theirs; the loader's per-step agreement of every leader's outcome then ends every rank at that
+same step, as when one leader's data ends without balancing.
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ log = logging.getLogger(__name__)
 class BalancedRows:
     """A packing leader's steps of rows, placed over the replicas with the other leaders.
 
-    ``dp_rank``: this leader's replica (for the log); ``leaders``: the group of every replica's
-    leader. Placements are indexed by the leaders' order in that group: the leader of rank ``g``
-    there delivers ``placed[g]`` to its replica. :attr:`stats` holds the figures of the steps so far: ``steps``, and the sums
-    over steps of max/mean replica cost as packed (``cost_ratio_packed``) and as placed
-    (``cost_ratio_placed``).
+    ``dp_rank``: this leader's replica (for the log); ``leaders``: the group of the leaders placed
+    together (every replica's, or those of this replica's block of ``Balance(replicas=k)``).
+    Placements are indexed by the leaders' order in that group: the leader of rank ``g`` there
+    delivers ``placed[g]`` to its replica. :attr:`stats` holds the figures of the steps so far:
+    ``steps``, and the sums over steps of max/mean cost over the group's replicas as packed
+    (``cost_ratio_packed``) and as placed (``cost_ratio_placed``).
     """
 
     def __init__(self, packing: Packing, batch_rows: int, dp_rank: int, leaders: LeaderGroup) -> None:

@@ -119,11 +119,11 @@ class StreamingSource:
         # streaming cannot express is refused everywhere, not on the leaders alone (the others
         # would wait for them in a group creation until killed)
         self._env = leader_env(leaders, self.place.dp_rank, local_world_size)
+        # the same before any group: Balance(replicas=k) with a k that does not divide dp
+        blocks = None if packing is None or packing.balance is None else packing.balance.blocks(self.place.dp_size)
         self._leaders = LeaderGroup.build(leaders, timeout, "streaming_leaders")
-        # balancing runs on the transfer thread: a group of its own, apart from checkpoint_state's
-        self._balance = (
-            LeaderGroup.build(leaders, timeout, "balance") if packing is not None and packing.balance else None
-        )
+        # balancing runs on the transfer thread: groups of its own, apart from checkpoint_state's
+        self._balance = None if blocks is None else balance_group(blocks, leaders, self.place.dp_rank, timeout)
         self.batch_size = batch_size
         self.packing = packing
         self.layout = layout
@@ -173,6 +173,27 @@ class StreamingSource:
         return BalancedStream(
             data, rows, BalancedRows(self.packing, self.batch_size, self.place.dp_rank, self._balance)
         )
+
+
+def balance_group(blocks: Sequence[range], leaders: Sequence[int], dp_rank: int, timeout: float) -> LeaderGroup:
+    """The group of the leaders of ``dp_rank``'s block of replicas (``Balance.blocks``).
+
+    Every rank of the world creates every block's group, in the same order (``new_group`` is
+    collective over the world), and keeps its own block's (its members, not the ranks outside it,
+    ever use it). One block keeps the name of the group of all leaders.
+
+    Example (every rank)::
+
+        blocks = Balance(replicas=8).blocks(layout.place(rank).dp_size)
+        group = balance_group(blocks, layout.leaders(), layout.place(rank).dp_rank, timeout=600.0)
+    """
+    mine = LeaderGroup(None)
+    for b, block in enumerate(blocks):
+        name = "balance" if len(blocks) == 1 else f"balance_{b}"
+        group = LeaderGroup.build([leaders[d] for d in block], timeout, name, first_replica=block.start)
+        if dp_rank in block:
+            mine = group
+    return mine
 
 
 def _check_text_options(layout: Any, packing: Packing | None, collate: Any, documents_per_batch: int | None) -> None:

@@ -60,14 +60,25 @@ class Balance:
             on its own, so that a loader whose steps are micro-batches of ``k`` rows places rows
             as one whose steps hold several micro-batches (TorchTitan's pipeline loads one
             micro-batch per step: ``rows=1`` trains pp = 1's rows under pp = 2).
+        replicas: how many replicas are placed together: ``None``, all of them (each step's
+            gather and all-to-all span every leader, so their time grows with dp: about 4.6 s per
+            step at dp 1,024 in bench/results/leader_collectives.md); ``k``, each block of ``k``
+            consecutive dp ranks on its own, its collectives among its ``k`` leaders only (``k``
+            must divide dp): a step costs what it costs at dp = ``k`` and balances as evenly.
+            Not with ``valid_tokens``, a count over every replica: that needs a collective over
+            every leader each step, the cost the blocks remove (count the labels of each
+            replica's batch and all-reduce them over dp in the training step instead).
 
     >>> Balance(linear_cost=12 * 4096).linear_cost
     49152.0
+    >>> Balance(replicas=8).blocks(16)
+    [range(0, 8), range(8, 16)]
     """
 
     linear_cost: float = 0.0
     valid_tokens: str | None = None
     rows: int | None = None
+    replicas: int | None = None
 
     def __post_init__(self) -> None:
         c = self.linear_cost
@@ -78,6 +89,24 @@ class Balance:
             raise ValueError(f"Balance(valid_tokens=...) must be a key (str) or None, got {self.valid_tokens!r}")
         if self.rows is not None and (isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1):
             raise ValueError(f"Balance(rows=...) must be a positive int or None, got {self.rows!r}")
+        k = self.replicas
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"Balance(replicas=...) must be a positive int or None, got {k!r}")
+        if k is not None and self.valid_tokens is not None:
+            raise ValueError(
+                "Balance(valid_tokens=...) counts labels over every replica, a collective over every leader each "
+                "step, which Balance(replicas=...) is there to avoid: give one of them (with replicas, all-reduce "
+                "each replica's count of labels over dp in the training step)"
+            )
+
+    def blocks(self, dp: int) -> list[range]:
+        """The dp ranks placed together, in order: ``replicas`` consecutive ones each (``None``: one
+        block of all ``dp``). ``ValueError`` when ``replicas`` does not divide ``dp``: pure
+        arithmetic, so every rank refuses at construction, before any group is created."""
+        k = self.replicas or dp
+        if dp % k:
+            raise ValueError(f"Balance(replicas={k}) must divide the data-parallel degree, dp = {dp}")
+        return [range(first, first + k) for first in range(0, dp, k)]
 
 
 class Piece(NamedTuple):

@@ -55,10 +55,16 @@ def every_token() -> Counter:
     return Counter(int(t) for d in numbered_documents(lengths(), STRIDE) for t in d)
 
 
-def build(data: str, dims: tuple, shape: tuple, balance: bool, rows: int = 2) -> CollectiveLoader:
+def build(
+    data: str, dims: tuple, shape: tuple, balance: bool, rows: int = 2, replicas: int | None = None
+) -> CollectiveLoader:
     mesh = ranks.make_mesh(dims, shape)
+    valid = VALID if balance and replicas is None else None  # a global count needs every leader: not in blocks
     packing = Packing(
-        SEQ_LEN, "pad", ("sequence_id",), Balance(linear_cost=2.0, valid_tokens=VALID) if balance else None
+        SEQ_LEN,
+        "pad",
+        ("sequence_id",),
+        Balance(linear_cost=2.0, valid_tokens=valid, replicas=replicas) if balance else None,
     )
     source = StreamingSource(
         mesh,
@@ -77,14 +83,14 @@ def build(data: str, dims: tuple, shape: tuple, balance: bool, rows: int = 2) ->
         mesh,
         inputs=("input_ids", "sequence_id"),
         labels=("labels",),
-        every_stage=(VALID,) if balance else (),
+        every_stage=(valid,) if valid else (),
         timeout=TIMEOUT,
     )
 
 
-def epoch(data: str, dims: tuple, shape: tuple, balance: bool) -> dict:
+def epoch(data: str, dims: tuple, shape: tuple, balance: bool, replicas: int | None = None) -> dict:
     """One epoch on every rank: what it received, and (leaders) the balance figures."""
-    loader = build(data, dims, shape, balance)
+    loader = build(data, dims, shape, balance, replicas=replicas)
     batches = [{k: v.clone() for k, v in b.items()} for b in loader]
     stats = loader.stats() if loader.is_leader else None  # the leader's traffic and its packing figures
     place = loader.place
@@ -132,6 +138,30 @@ def test_balancing_moves_tokens_between_replicas_but_trains_the_same_ones(worlds
     stats = [r["stats"] for r in on_records if r["stats"] is not None]
     assert len(stats) == 2 and all(s["balanced_steps"] >= len(on) for s in stats)
     assert all(s["cost_max_over_mean"] < s["cost_max_over_mean_packed"] for s in stats), stats
+
+
+def test_blocks_of_two_replicas_balance_each_its_own_tokens_and_stop_together(worlds, data):
+    """dp = 4, ``Balance(replicas=2)``: replicas 0-1 and 2-3 each place their own leaders' rows."""
+    world = worlds.get(4)
+    off = steps_by_replica(world.run(epoch, data, ("dp",), (4,), False, timeout=TIMEOUT))
+    on_records = world.run(epoch, data, ("dp",), (4,), True, 2, timeout=TIMEOUT)
+    on = steps_by_replica(on_records)
+    assert len({len(r["batches"]) for r in on_records}) == 1, "every rank stops at the same step"
+    assert len(on) == len(off) > 2
+    moved = 0
+    for k, (a, b) in enumerate(zip(off, on)):
+        for block in ((0, 1), (2, 3)):
+            packed = [Counter(all_tokens([a[d]])) for d in block]
+            placed = [Counter(all_tokens([b[d]])) for d in block]
+            assert sum(packed, Counter()) == sum(placed, Counter()), f"step {k}, replicas {block}"
+            moved += packed != placed
+            if all(len(row) == SEQ_LEN + 1 for d in block for row in row_tokens(a[d])):
+                assert all(len(row) == SEQ_LEN + 1 for d in block for row in row_tokens(b[d])), (
+                    f"step {k}: a row not full"
+                )
+    assert moved > 0, "no block placed a token elsewhere"
+    stats = [r["stats"] for r in on_records]
+    assert all(s["cost_max_over_mean"] <= s["cost_max_over_mean_packed"] for s in stats), stats
 
 
 def resumed(data: str, stop: int) -> tuple:

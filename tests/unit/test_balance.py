@@ -180,11 +180,20 @@ def test_row_cost_is_squares_plus_c_times_tokens():
         ({"linear_cost": True}, "Balance\\(linear_cost=...\\) must be a number >= 0"),
         ({"valid_tokens": ""}, "Balance\\(valid_tokens=...\\) must be a key"),
         ({"rows": 0}, "Balance\\(rows=...\\) must be a positive int or None"),
+        ({"replicas": 0}, "Balance\\(replicas=...\\) must be a positive int or None"),
+        ({"replicas": 2, "valid_tokens": "n"}, "Balance\\(valid_tokens=...\\) counts labels over every replica"),
     ],
 )
 def test_a_bad_balance_option_is_refused_naming_it(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         Balance(**kwargs)
+
+
+def test_blocks_of_replicas_that_do_not_divide_dp_are_refused_naming_both():
+    assert Balance(replicas=3).blocks(6) == [range(0, 3), range(3, 6)]
+    assert Balance().blocks(5) == [range(0, 5)]
+    with pytest.raises(ValueError, match="Balance\\(replicas=3\\) must divide the data-parallel degree, dp = 4"):
+        Balance(replicas=3).blocks(4)
 
 
 def test_packing_takes_only_a_balance():
