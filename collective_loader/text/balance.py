@@ -61,7 +61,7 @@ class Balance:
             as one whose steps hold several micro-batches (TorchTitan's pipeline loads one
             micro-batch per step: ``rows=1`` trains pp = 1's rows under pp = 2).
         replicas: how many replicas are placed together: ``None``, all of them (each step's
-            gather and all-to-all span every leader, so their time grows with dp: about 4.6 s per
+            gather and all-to-all span every leader, so their time grows with dp: about 5 s per
             step at dp 1,024 in bench/results/leader_collectives.md); ``k``, each block of ``k``
             consecutive dp ranks on its own, its collectives among its ``k`` leaders only (``k``
             must divide dp): a step costs what it costs at dp = ``k`` and balances as evenly.
