@@ -146,6 +146,11 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
         cost, row by row (``Packing(balance=Balance(rows=1))``, docs/text-data.md); a step trains
         the same tokens, and pp = 2 the rows of pp = 1."""
 
+        balance_replicas: int | None = None
+        """Packing, with ``balance``: each block of that many consecutive replicas balances on its
+        own, its gather and all-to-all among its own leaders (``Balance(replicas=k)``; k must divide
+        dp): for dp in the hundreds, where one step's collectives over every leader take seconds."""
+
         documents_per_batch: int | None = None
         """Packing: samples per DataLoader batch on a leader (default: the dataloader's batch, the
         micro-batch under pp). Keep it fixed to keep the rows when the micro-batch changes."""
@@ -298,7 +303,6 @@ def _one_dataset(
 
 # one row at a time: TorchTitan's pipeline loads one micro-batch per loader step, and the rows
 # must be placed as without the pipeline for pp = 2 to train pp = 1's rows
-BALANCE = Balance(rows=1)
 
 
 def batch_flag(packing: Packing | None, mesh: Any) -> str:
@@ -385,8 +389,11 @@ def read_as(
         raise ValueError(
             "--dataloader.mixture does not balance rows over the replicas yet: leave out --dataloader.balance"
         )
+    if config.balance_replicas is not None and not config.balance:
+        raise ValueError("--dataloader.balance_replicas says how the replicas balance: add --dataloader.balance")
     if config.text or config.pack:
-        return layout, Packing(seq_len, config.at_end, ("position_ids",), BALANCE if config.balance else None)
+        balance = Balance(rows=1, replicas=config.balance_replicas) if config.balance else None
+        return layout, Packing(seq_len, config.at_end, ("position_ids",), balance)
     if config.documents_per_batch is not None or config.at_end != "pad" or config.balance:
         raise ValueError(
             "--dataloader.documents_per_batch, --dataloader.at_end and --dataloader.balance say how documents are "

@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from processes import run_group
 
 from collective_loader.cli.args import parse_mesh
 from collective_loader.cli.report import verdicts
@@ -145,20 +145,8 @@ FETCHED = re.compile(r"^ *(\d+)  (leader)? +(\d+) requests +([\d.]+) KiB +(\d+) 
 
 @pytest.mark.timeout(180)
 def test_demo_remote_only_leaders_fetch_from_the_endpoint():
-    proc = subprocess.Popen(
-        [sys.executable, *REMOTE],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=170)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the demo and every rank it started
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, out + err
+    returncode, out, err = run_group([sys.executable, *REMOTE], timeout=170)
+    assert returncode == 0, out + err
     # pp=2,dp=2, default placement: replica 0's leader on the first stage (rank 0), replica 1's on the last (rank 3)
     assert "all checks passed" in out and "[ok] in collective_loader's run only leaders [0, 3] fetched" in out, out
     rows = {int(m[0]): (m[1] == "leader", int(m[2]), float(m[3]), int(m[4])) for m in FETCHED.findall(out)}

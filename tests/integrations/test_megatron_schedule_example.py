@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
+from processes import run_group
 
 pytest.importorskip("megatron.core")
 
@@ -27,16 +26,8 @@ LINE = re.compile(
 
 @pytest.mark.timeout(300)
 def test_megatron_schedule_matches_unpipelined_losses_and_resumes_exactly():
-    proc = subprocess.Popen(
-        [sys.executable, EXAMPLE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=280)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the example and every rank it started
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    returncode, out, err = run_group([sys.executable, EXAMPLE], timeout=280)
+    assert returncode == 0, out[-3000:] + err[-3000:]
     found = {
         tuple(map(int, layout)): (schedule, losses.split(), float(gap))
         for *layout, schedule, losses, gap in LINE.findall(out)

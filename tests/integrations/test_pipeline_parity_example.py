@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
+from processes import run_group
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "pipeline_parity.py")
 # one line per case, schedule and set-up: "... worst relative gap <gap>", or "... fails: <each pp rank's error>"
@@ -25,20 +24,8 @@ V_CASES = {"pp2-v"}
 
 
 def _run(args: list[str], timeout: float) -> list[tuple[str, str, str, str]]:
-    proc = subprocess.Popen(
-        [sys.executable, EXAMPLE, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the example and every rank it started
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    returncode, out, err = run_group([sys.executable, EXAMPLE, *args], timeout)
+    assert returncode == 0, out[-3000:] + err[-3000:]
     return [
         (case, schedule, setup, gap or f"fails: {error}") for case, schedule, setup, gap, error in LINE.findall(out)
     ]

@@ -50,6 +50,8 @@ def test_each_layout_is_read_as_the_flags_say():
     assert read_as(config(text=True), tokenizer, 8) == (TextColumn(tokenizer, "text"), Packing(seq_len=8))
     assert read_as(config(text=True, column="body"), tokenizer, 8)[0] == TextColumn(tokenizer, "body")
     assert read_as(config(pack=True, balance=True), None, 8)[1].balance == Balance(rows=1)
+    blocks = read_as(config(pack=True, balance=True, balance_replicas=4), None, 8)[1].balance
+    assert blocks == Balance(rows=1, replicas=4)
     assert read_as(config(pack=True), None, 8)[1].balance is None
 
 
@@ -62,6 +64,7 @@ def test_each_layout_is_read_as_the_flags_say():
         ({"documents_per_batch": 8}, None, "add --dataloader.pack .* or --dataloader.text"),
         ({"at_end": "drop"}, None, "add --dataloader.pack .* or --dataloader.text"),
         ({"balance": True}, None, "--dataloader.balance say how documents are packed: add --dataloader.pack"),
+        ({"pack": True, "balance_replicas": 2}, None, "--dataloader.balance_replicas .*: add --dataloader.balance"),
     ],
 )
 def test_flags_that_do_not_fit_together_name_the_flag_to_change(fields, tokenizer, message):
