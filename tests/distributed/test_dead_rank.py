@@ -170,13 +170,13 @@ def stalled_source(stall_on_dp: int, where: str, at: int):
 
 
 # every call into the source is watched: its first iter(), each next() and state_dict(), a resume
-# (each waits out the watchdog's timeout: state_dict and load_state_dict, the same watch, are slow)
+# (each waits out the watchdog's timeout: all but next, the same watch, are slow)
 @pytest.mark.parametrize(
     "where,at",
     [
         ("next", 4),
         pytest.param("state_dict", 4, marks=pytest.mark.slow),
-        ("iter", 0),
+        pytest.param("iter", 0, marks=pytest.mark.slow),
         pytest.param("load_state_dict", 0, marks=pytest.mark.slow),
     ],
 )
