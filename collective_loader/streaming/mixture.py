@@ -40,7 +40,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -257,8 +257,7 @@ class MixtureStream:
     # --- iteration -------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
-        for source in self.sources.values():
-            source.begin()
+        self._together(self._begin_every_source, "began an epoch")
         index = {name: i for i, name in enumerate(self.names)}
         while True:
             start = self.progress  # the step's weights are those at its start
@@ -279,6 +278,10 @@ class MixtureStream:
             if self.source_key is not None:
                 batch[self.source_key] = torch.tensor([index[name] for name in chosen], dtype=torch.int64)
             yield batch
+
+    def _begin_every_source(self) -> None:
+        for source in self.sources.values():
+            source.begin()
 
     def _allocate(self) -> list[str] | None:
         """The sources of this replica's rows for the next step, each queued on every leader;
@@ -305,7 +308,7 @@ class MixtureStream:
                 dropped = self.sources[name].drop()
                 if policy == "repeat":
                     log.info("%s: a new epoch of it begins (%d rows queued here dropped)", where, dropped)
-                    self.sources[name].begin()
+                    self._together(self.sources[name].begin, f"began a new epoch of {name!r}")
                     restarted.add(name)
                     continue
                 log.info("%s: it stops, the others share its weight (%d rows queued here dropped)", where, dropped)
@@ -317,11 +320,23 @@ class MixtureStream:
     def _short(self, need: Counter[str]) -> list[str]:
         """The sources some leader lacks rows of for this step (this leader's alone when every
         policy is "end": the loader's end of data then stops every rank at the same step)."""
-        mine = [name for name in sorted(need) if not self.sources[name].fill(need[name])]
+
+        def mine() -> tuple[list[str], list[str]]:
+            short = [name for name in sorted(need) if not self.sources[name].fill(need[name])]
+            return short, short
+
         if self.agreement is None:
-            return mine
-        _, heard = self.agreement.agree(lambda: (None, mine), "queued a mixture step's rows")
+            return mine()[0]
+        _, heard = self.agreement.agree(mine, "queued a mixture step's rows")
         return sorted(set().union(*heard))
+
+    def _together(self, work: Callable[[], Any], what: str) -> None:
+        """``work()`` on every leader; with an agreement group, one that raises tells the others,
+        which raise too, rather than wait for it in the next step's gather."""
+        if self.agreement is None:
+            work()
+        else:
+            self.agreement.agree(lambda: (work(), None), what)
 
     def _step_progress(self) -> float:
         """One step's progress over every replica, in the schedule's unit."""

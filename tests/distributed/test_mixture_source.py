@@ -19,6 +19,7 @@ global batch (8 rows of 32 tokens per step):
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from itertools import islice
 
@@ -31,6 +32,7 @@ from text_rows import row_tokens
 
 from collective_loader import CollectiveLoader, PerDocument
 from collective_loader.streaming import MixtureSource
+from collective_loader.streaming.mixture import _SourceRows
 from collective_loader.testing.data import write_token_documents
 from collective_loader.text import MixtureSchedule, Packing, Phase, TokenColumn
 
@@ -334,6 +336,41 @@ def test_a_source_that_ends_the_epoch_ends_it_on_every_rank_at_the_same_step(wor
     results = world.run(policy_run, data, "end", 20, timeout=240)
     lengths = {len(r["rows"]) for r in results}
     assert len(lengths) == 1 and 3 <= min(lengths) < 12, lengths
+
+
+def failing_leader_run(data: dict[str, str]) -> dict:
+    """Replica 1's leader fails reading its rows at about step 5 (its third source read of a step
+    fails) while the leaders agree every step ("repeat"): what each rank raised, and when."""
+    schedule = MixtureSchedule.constant({"short": 0.75, "tiny": 0.25})
+    loader = build(data, ("short", "tiny"), schedule, tiny="repeat")
+    original, calls = _SourceRows.fill, [0]
+
+    def fill(self, rows: int) -> bool:
+        calls[0] += 1
+        if calls[0] > 12:
+            raise OSError("shard 3 is unreadable")
+        return original(self, rows)
+
+    failing = loader.is_leader and loader.place.dp_rank == 1
+    if failing:
+        _SourceRows.fill = fill  # this process only: one leader's reads fail
+    start, steps = time.monotonic(), 0
+    try:
+        for _ in islice(loader, 20):
+            steps += 1
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e), "steps": steps, "after": time.monotonic() - start}
+    finally:
+        _SourceRows.fill = original
+        loader.close()
+    return {"error": None, "steps": steps}
+
+
+def test_a_leader_failing_while_the_leaders_agree_ends_every_rank(world, data):
+    results = world.run(failing_leader_run, data, timeout=240)
+    for r in results:
+        assert r["error"] is not None and "shard 3 is unreadable" in r["message"], r
+        assert r["steps"] < 20 and r["after"] < 60, r
 
 
 def cp_run(data: dict[str, str]) -> dict:
