@@ -218,10 +218,9 @@ class _SourceRows:
 class MixtureStream:
     """A leader's mixture: per step, ``batch_size`` rows, each from the source the allocator names.
 
-    Before a step's rows are used, each
-    source has them queued; with a ``"repeat"`` or ``"stop"`` source the leaders then agree over
-    ``agreement`` (one gather) whether one of them lacks rows, so that every leader ends, restarts
-    or stops that source at the same step.
+    Before a step's rows are used, each source has them queued; with a ``"repeat"`` or ``"stop"``
+    source the leaders then agree over ``agreement`` (one gather) whether one of them lacks rows,
+    so that every leader ends, restarts or stops that source at the same step.
 
     State: the allocator's counters, the progress, and each source's own packing state (from
     before its queued rows), so each source resumes at its own cursor. ``stats()``: per source,
