@@ -47,7 +47,7 @@ import numpy as np
 from harness import Run, keep, runs_of, table, worlds_in_rounds  # bench/harness.py: run as python bench/<name>.py
 
 from collective_loader.testing import launch
-from collective_loader.text.balance import place, place_in_blocks, replica_costs
+from collective_loader.text.balance import Piece, place, place_in_blocks, replica_costs
 from collective_loader.text.packing import Packer
 
 TARGET = 1.05
@@ -58,6 +58,8 @@ TIMED_DPS = (8, 32, 128, 512, 1024)  # place()'s time per step against dp
 TIMED = ("long tail", 2)  # (mix, rows per replica) of the timed steps
 EXHAUSTIVE_CASE = ("log-normal", 2, 1)  # (mix, dp, rows): placed against the best of all placements
 EXHAUSTIVE = 20  # the most pieces a step may have to try all its placements
+SEARCH_NODES = 20_000  # the most placements one search of the floor visits (see floor)
+SEARCH_GAP = 0.002  # no search where a placement is within this of the counted floor
 MORE_ROWS = ("long tail", 8, 8)  # (mix, dp, rows): one case again with more rows per replica and step
 WORLD_ROWS = 2  # rows per replica and step in the dp = 2 x cp = 2 world
 WIDE = 6 * 4096  # c for a 4096-wide model (see text/balance.py)
@@ -132,9 +134,8 @@ class Fill:
         return self.squares[i] + ((t - self.tokens[i]) ** 2 if i < m else 0)
 
 
-def floor(rows: list[list[list[int]]], capacity: int) -> float:
-    """The least max / mean attention cost over the replicas of any placement of one step's pieces
-    that keeps them whole (a piece cut only to fill a replica's last room), from two bounds over
+def floor_counted(rows: list[list[list[int]]], capacity: int) -> float:
+    """A floor from counting alone (:func:`floor` adds a search): two bounds over
     the ``k`` longest pieces (``k`` up to ``2 * dp``), each replica filling the rest of its rows
     with the shortest other pieces: some replica holds ``m + 1`` of the ``m * dp + 1`` longest, at
     best the shortest of them (``m`` = 0: the longest alone, the floor of issue 29); and the ``q``
@@ -156,6 +157,103 @@ def floor(rows: list[list[list[int]]], capacity: int) -> float:
         averages = [(top_squares + fill(n - k, q * tokens - top_tokens)) / q for q in range(fewest, min(k, dp) + 1)]
         best = max(best, min(averages, default=best))
     return max(1.0, best / mean)
+
+
+def kept_whole(longest: list[int], rows: int) -> int:
+    """How many of a step's longest pieces (``longest``: descending) every placement that cuts a piece
+    only when no row holds it at its turn, longest first, keeps whole -- ``place`` among them: at
+    piece ``i``'s turn the rows' room is the tokens not yet placed, at least those of pieces
+    ``i, i + 1, ...``; while that exceeds ``rows`` (every row of the step) times ``L_i - 1``, some
+    row holds piece ``i`` whole.
+
+    >>> kept_whole([5, 4, 3, 2, 2], 2)  # 16 > 2 * 4, 11 > 2 * 3, 7 > 2 * 2, 4 > 2 * 1, not 2 > 2 * 1
+    4
+    """
+    rest, k = sum(longest), 0
+    while k < len(longest) and rest > rows * (longest[k] - 1):
+        rest -= longest[k]
+        k += 1
+    return k
+
+
+class Search:
+    """The least, over every way to put the ``k`` longest pieces whole onto ``replicas`` replicas of
+    ``tokens`` tokens, of a bound on the costliest replica: each replica at least its own squares
+    plus its remaining room in the shortest other pieces (:class:`Fill`, the last one cut), and any
+    ``q`` replicas of the most squares at least, on average, their squares plus their rooms in the
+    shortest others (as in :func:`floor_counted`). Branch and bound, longest first, onto each
+    replica that differs from those before (equal replicas are one choice); a partial placement's
+    bound counts the unplaced pieces among the fillers, so it never exceeds a completion's.
+    ``None`` when it would visit more than ``nodes`` placements."""
+
+    def __init__(self, longest: list[int], replicas: int, tokens: int, k: int, nodes: int) -> None:
+        self.longest, self.replicas, self.tokens, self.k, self.nodes = longest, replicas, tokens, k, nodes
+        self.fill = Fill(longest[::-1])
+        self.squares = [0] * replicas
+        self.used = [0] * replicas
+        self.best = float("inf")
+
+    def __call__(self) -> float | None:
+        try:
+            self._place(0)
+        except StopIteration:
+            return None
+        return self.best
+
+    def _bound(self, m: int) -> float:
+        """Each replica's bound, its room in the ``m`` shortest pieces."""
+        return max(s + self.fill(m, self.tokens - u) for s, u in zip(self.squares, self.used))
+
+    def _leaf(self) -> float:
+        m, bound = len(self.longest) - self.k, self._bound(len(self.longest) - self.k)
+        squares = room = 0
+        for q, d in enumerate(sorted(range(self.replicas), key=lambda d: -self.squares[d]), 1):
+            squares, room = squares + self.squares[d], room + self.tokens - self.used[d]
+            bound = max(bound, (squares + self.fill(m, room)) / q)
+        return bound
+
+    def _place(self, j: int) -> None:
+        self.nodes -= 1
+        if self.nodes < 0:
+            raise StopIteration
+        if j == self.k:
+            self.best = min(self.best, self._leaf())
+            return
+        n, seen, choices = self.longest[j], set(), []
+        for d in range(self.replicas):
+            if self.used[d] + n <= self.tokens and (self.squares[d], self.used[d]) not in seen:
+                seen.add((self.squares[d], self.used[d]))
+                choices.append(
+                    (self.squares[d] + n * n + self.fill(len(self.longest) - j - 1, self.tokens - self.used[d] - n), d)
+                )
+        for _, d in sorted(choices):
+            self.squares[d], self.used[d] = self.squares[d] + n * n, self.used[d] + n
+            if self._bound(len(self.longest) - j - 1) < self.best:
+                self._place(j + 1)
+            self.squares[d], self.used[d] = self.squares[d] - n * n, self.used[d] - n
+
+
+def floor(rows: list[list[list[int]]], capacity: int, reached: float | None = None) -> float:
+    """The least max / mean attention cost over the replicas of any placement of one step's pieces
+    that keeps the :func:`kept_whole` longest whole and fills each replica's other room at best with
+    the shortest other pieces (the last one cut): the larger of :func:`floor_counted` and
+    :class:`Search` over the ``k`` longest, ``k`` from ``2 * dp`` up in steps of ``dp`` while a
+    search ends within ``SEARCH_NODES`` placements (a deterministic budget: the same floor on every
+    run). The search only raises the floor towards what a placement reached: it is skipped where
+    ``reached`` (a placement's max / mean, if given) is within ``SEARCH_GAP`` of the counted floor.
+    ``rows[j][r]``: the piece lengths of leader ``j``'s row ``r``, every row full."""
+    dp, tokens = len(rows), len(rows[0]) * capacity
+    longest = sorted((n for leader in rows for row in leader for n in row), reverse=True)
+    mean = sum(x * x for x in longest) / dp
+    best, whole = floor_counted(rows, capacity), kept_whole(longest, dp * len(rows[0]))
+    if reached is not None and reached - best <= SEARCH_GAP:
+        return best
+    for k in range(min(2 * dp, whole), whole + 1, dp):
+        found = Search(longest, dp, tokens, k, SEARCH_NODES)()
+        if found is None:
+            break
+        best = max(best, found / mean)
+    return best
 
 
 def optimum_two(rows: list[list[list[int]]], capacity: int) -> float | None:
@@ -194,17 +292,34 @@ def subset_sums(values: list[int]) -> np.ndarray:
     return sums
 
 
+def keeps_whole(rows: list[list[list[int]]], out: list[list[list[Piece]]]) -> bool:
+    """Whether a placement ``out`` of the step's ``rows`` keeps the :func:`kept_whole` longest pieces whole."""
+    pieces = sorted(
+        (
+            Piece(j, r, start, n)
+            for j, leader in enumerate(rows)
+            for r, row in enumerate(leader)
+            for start, n in zip(itertools.accumulate([0, *row]), row)
+            if n
+        ),
+        key=lambda p: (-p.length, p),
+    )
+    placed = {p for replica in out for row in replica for p in row}
+    return all(p in placed for p in pieces[: kept_whole([p.length for p in pieces], len(rows) * len(rows[0]))])
+
+
 def exhaustive(steps: int) -> dict:
     """Placed, floor and :func:`optimum_two` over the steps of ``EXHAUSTIVE_CASE`` it can try."""
     name, dp, rows_per_step = EXHAUSTIVE_CASE
     _, seq_len, draw = mixes()[name]
-    placed, floors, optima = [], [], []
+    placed, floors, counted, optima = [], [], [], []
     for rows in packed_steps(draw, seq_len, dp, steps, dp, rows_per_step):
         best = optimum_two(rows, seq_len + 1)
         if best is not None:
             out = place(rows, rows_per_step, seq_len + 1, 0.0)
             placed.append(ratio(replica_costs([[[p.length for p in r] for r in rep] for rep in out], 0.0)))
-            floors.append(floor(rows, seq_len + 1))
+            floors.append(floor(rows, seq_len + 1))  # searched on every step: no placement to stop at
+            counted.append(floor_counted(rows, seq_len + 1))
             optima.append(best)
     return {
         "mix": name,
@@ -214,7 +329,9 @@ def exhaustive(steps: int) -> dict:
         "of": steps,
         "placed": statistics.fmean(placed),
         "floor": statistics.fmean(floors),
+        "floor_counted": statistics.fmean(counted),
         "optimum": statistics.fmean(optima),
+        "steps_floor_above_optimum": sum(f > o for f, o in zip(floors, optima)),  # the floor would be wrong
     }
 
 
@@ -227,17 +344,24 @@ def case(name: str, dp: int, rows_per_step: int, steps: int) -> dict:
     _, seq_len, draw = mixes()[name]
     record = {"mix": name, "dp": dp, "rows": rows_per_step, "steps": steps}
     per_step = packed_steps(draw, seq_len, dp, steps, dp, rows_per_step)
-    record["attention_floor"] = statistics.fmean(floor(rows, seq_len + 1) for rows in per_step)
     record["attention_floor_longest"] = statistics.fmean(floor_longest(rows, seq_len + 1) for rows in per_step)
+    record["attention_floor_counted"] = statistics.fmean(floor_counted(rows, seq_len + 1) for rows in per_step)
     for label, c in (("attention", 0.0), ("wide", float(WIDE))):
-        packed, placed = [], []
+        packed, placed, floors, below, cut = [], [], [], 0, 0
         for rows in per_step:
             out = place(rows, rows_per_step, seq_len + 1, c)
             packed.append(ratio(replica_costs(rows, c)))
             placed.append(ratio(replica_costs([[[p.length for p in r] for r in rep] for rep in out], c)))
+            if c == 0.0:
+                floors.append(floor(rows, seq_len + 1, placed[-1]))
+                below += placed[-1] < floors[-1]  # the floor would be wrong
+                cut += not keeps_whole(rows, out)  # the floor would not apply to place
         record[f"{label}_packed"] = statistics.fmean(packed)
         record[f"{label}_placed"] = statistics.fmean(placed)
         record[f"{label}_placed_worst"] = max(placed)
+        if c == 0.0:
+            record["attention_floor"] = statistics.fmean(floors)
+            record["steps_below_floor"], record["steps_cutting_kept"] = below, cut
     by_row = []  # Balance(rows=1), as TorchTitan's --dataloader.balance places them
     for rows in per_step:
         out = place_in_blocks(rows, rows_per_step, seq_len + 1, 0.0, 1)
@@ -433,6 +557,7 @@ def main() -> None:
                 f"{r['attention_placed_worst']:.3f}",
                 f"{r['attention_floor']:.3f}",
                 f"{r['attention_placed'] - r['attention_floor']:+.4f}",
+                f"{r['attention_floor_counted']:.3f}",
                 f"{r['attention_floor_longest']:.3f}",
                 f"{r['attention_by_row']:.3f}",
                 f"{r['wide_packed']:.3f}",
@@ -463,17 +588,26 @@ def main() -> None:
         f"{', '.join(map(str, ROWS))}, and {MORE_ROWS[2]} once more for {MORE_ROWS[0]} at dp {MORE_ROWS[1]}; {steps} "
         "steps, seed = dp); the step's pieces are placed by `text.balance.place`. Balance = max / mean "
         "replica cost per step, mean over the steps (worst step beside it); cost = sum(L^2) + c sum(L) per row; "
-        f"c = 0 (attention) and c = {WIDE} (6 x 4096); *floor*: the least any placement that keeps pieces whole "
-        "can reach, from the step's longest pieces (some replica holds m + 1 of the m dp + 1 longest; the "
-        "replicas that hold the k longest, k <= 2 dp, cost on average at least their squares plus the rest of "
-        "their rows in the step's shortest pieces; `floor` in bench/balance.py), mean over the steps; *above "
-        "floor*: balanced - floor; *longest alone*: issue 29's looser floor (the replica of the longest piece "
-        "filled with the shortest); *row by row*: `Balance(rows=1)`, each row slot placed on its own, as "
-        "TorchTitan's `--dataloader.balance` does. Padding = slots / real tokens - 1, the same either way. "
+        f"c = 0 (attention) and c = {WIDE} (6 x 4096); *floor*: the least any placement can reach that keeps "
+        "whole the step's longest pieces that no row can refuse (`kept_whole`: while the tokens of a piece and "
+        "all shorter ones exceed the step's rows times its length less one, some row holds it at its turn, "
+        "longest first; `place` keeps them whole on every step here) and fills the rest of each replica at best "
+        "with the step's shortest other pieces (the last one cut): the larger of the *counted* floor (some "
+        "replica holds m + 1 of the m dp + 1 longest; the replicas that hold the k longest, k <= 2 dp, cost on "
+        "average at least their squares plus the rest of their rows in the shortest pieces) and a branch-and-bound "
+        f"search over every placement of the k longest (k from 2 dp up by dp, at most {SEARCH_NODES} placements "
+        f"a search; skipped where the counted floor is within {SEARCH_GAP} of the balanced step); `floor` in "
+        "bench/balance.py; mean over the steps; *above floor*: balanced - floor; *longest alone*: issue 29's "
+        "floor (the replica of the longest piece filled with the shortest); *row by row*: `Balance(rows=1)`, each "
+        "row slot placed on its own, as TorchTitan's `--dataloader.balance` does. Padding = slots / real tokens "
+        "- 1, the same either way. Checks over every case: steps balanced below the floor "
+        f"{sum(r['steps_below_floor'] for r in records)}, steps where `place` cut a piece the floor keeps whole "
+        f"{sum(r['steps_cutting_kept'] for r in records)} (each must be 0). "
         f"Targets: balanced <= {TARGET} with c = 0 (issue 29); balanced within {NEAR} of the floor (issue 40).",
         "",
         *table(
-            "mix | dp | rows | packed (c=0) | balanced (c=0) | worst step | floor (c=0) | above floor | longest alone "
+            "mix | dp | rows | packed (c=0) | balanced (c=0) | worst step | floor (c=0) | above floor | counted "
+            "| longest alone "
             "| row by row (c=0) | packed (c=6d) | balanced (c=6d) | padding | <= 1.05 | within 0.01",
             rows,
         ),
@@ -483,7 +617,9 @@ def main() -> None:
         f"{tried['rows']} row per replica, the {tried['steps']} of {tried['of']} steps of at most {EXHAUSTIVE} pieces; "
         "`optimum_two` in bench/balance.py: every piece whole but at most one, cut across the two rows, and that one "
         "only if, longest first, neither row had room for it at its turn, as `place` allows itself): balanced "
-        f"{tried['placed']:.4f}, the best of all placements {tried['optimum']:.4f}, floor {tried['floor']:.4f}.",
+        f"{tried['placed']:.4f}, the best of all placements {tried['optimum']:.4f}, floor {tried['floor']:.4f} "
+        f"(counted alone {tried['floor_counted']:.4f}); steps whose floor is above their best placement: "
+        f"{tried['steps_floor_above_optimum']} (must be 0).",
         "",
         f"`place`'s time per step against dp, as one leader computes it for every leader's pieces (CPU seconds "
         f"of this process, mean of {times[0]['steps']} steps): the {TIMED[0]} mix, {TIMED[1]} rows of "
