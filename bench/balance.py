@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -58,7 +59,7 @@ TIMED_DPS = (8, 32, 128, 512, 1024)  # place()'s time per step against dp
 TIMED = ("long tail", 2)  # (mix, rows per replica) of the timed steps
 EXHAUSTIVE_CASE = ("log-normal", 2, 1)  # (mix, dp, rows): placed against the best of all placements
 EXHAUSTIVE = 20  # the most pieces a step may have to try all its placements
-SEARCH_NODES = 20_000  # the most placements one search of the floor visits (see floor)
+SEARCH_NODES = 30_000  # the most placements the searches of one step's floor visit (see floor)
 SEARCH_GAP = 0.002  # no search where a placement is within this of the counted floor
 MORE_ROWS = ("long tail", 8, 8)  # (mix, dp, rows): one case again with more rows per replica and step
 WORLD_ROWS = 2  # rows per replica and step in the dp = 2 x cp = 2 world
@@ -117,77 +118,116 @@ def floor_longest(rows: list[list[list[int]]], capacity: int) -> float:
     ``rows[j][r]``: the piece lengths of leader ``j``'s row ``r``, every row full."""
     pieces = sorted(n for leader in rows for row in leader for n in row)
     fill = Fill(pieces[:-1])
+    most = len(rows[0]) * cut_room(pieces[::-1], len(rows) * len(rows[0]), capacity)
     mean = sum(n * n for n in pieces) / len(rows)
-    return max(1.0, (pieces[-1] ** 2 + fill(len(pieces) - 1, len(rows[0]) * capacity - pieces[-1])) / mean)
+    return max(1.0, (pieces[-1] ** 2 + fill(len(pieces) - 1, len(rows[0]) * capacity - pieces[-1], most)) / mean)
 
 
 class Fill:
-    """``fill(m, t)``: sum(L**2) of ``t`` tokens of the shortest of the ``m`` shortest pieces of
-    ``ascending``, the last one cut (prefix sums: one bisection per call)."""
+    """``fill(m, t, most)``: a floor under the sum(L**2) of ``t`` tokens drawn from the ``m`` shortest
+    pieces of ``ascending``, whole but for parts of cut pieces holding at most ``most`` tokens:
+    the parts counted as free, the whole pieces at least the shortest-first chord (each token of a
+    piece of length ``L`` at ``L``: ``sum(L**2)`` exactly where the tokens end a piece, linear
+    between). ``inf`` where the ``m`` pieces cannot hold ``t - most`` tokens.
+
+    >>> fill = Fill([1, 1, 10, 10])
+    >>> fill(4, 12, 0), fill(4, 12, 5)  # 1 + 1 + 100 whole; or the two 1s and 5 tokens at 10 each
+    (102, 52)
+    """
 
     def __init__(self, ascending: list[int]) -> None:
+        self.ascending = ascending
         self.tokens = [0, *itertools.accumulate(ascending)]
         self.squares = [0, *itertools.accumulate(n * n for n in ascending)]
 
-    def __call__(self, m: int, t: int) -> int:
-        i = bisect.bisect_right(self.tokens, t, 0, m + 1) - 1
-        return self.squares[i] + ((t - self.tokens[i]) ** 2 if i < m else 0)
+    def __call__(self, m: int, t: int, most: int) -> float:
+        x = max(0, t - most)  # the tokens of whole pieces
+        if x > self.tokens[m]:
+            return math.inf
+        i = bisect.bisect_right(self.tokens, x, 0, m + 1) - 1
+        return self.squares[i] + ((x - self.tokens[i]) * self.ascending[i] if i < m else 0)
+
+
+def cut_room(longest: list[int], rows: int, capacity: int) -> int:
+    """The most tokens of cut parts one row may hold in a placement that cuts a piece only where,
+    counting the pieces before it, no row has room: a row's tokens from the first cut piece on
+    are its room at that piece's turn, less than that piece, which is at most the first piece
+    :func:`kept_whole` does not keep. ``longest``: the step's pieces, descending."""
+    whole = kept_whole(longest, rows, capacity)
+    return longest[whole] - 1 if whole < len(longest) else 0
 
 
 def floor_counted(rows: list[list[list[int]]], capacity: int) -> float:
-    """A floor from counting alone (:func:`floor` adds a search): two bounds over
-    the ``k`` longest pieces (``k`` up to ``2 * dp``), each replica filling the rest of its rows
-    with the shortest other pieces: some replica holds ``m + 1`` of the ``m * dp + 1`` longest, at
-    best the shortest of them (``m`` = 0: the longest alone, the floor of issue 29); and the ``q``
-    replicas that hold the ``k`` longest cost, on average, at least their squares plus ``q``
-    replicas' worth of tokens of the shortest others (the least over the ``q`` their tokens allow).
-    ``rows[j][r]``: the piece lengths of leader ``j``'s row ``r``, every row full."""
+    """A floor from counting alone (:func:`floor` adds a search), over the ``k`` longest pieces
+    (``k`` up to ``2 * dp`` and at most the :func:`kept_whole`), each replica filling the rest of
+    its rows at best with the shortest other pieces (:class:`Fill`, a part cut in each row): some
+    replica holds ``m + 1`` of the ``m * dp + 1`` longest, at best the shortest of them (``m`` = 0:
+    the longest alone, the floor of issue 29); and the ``q`` replicas that hold the ``k`` longest
+    cost, on average, at least their squares plus ``q`` replicas' worth of tokens of the shortest
+    others (the least over the ``q`` their tokens allow). ``rows[j][r]``: the piece lengths of
+    leader ``j``'s row ``r``, every row full."""
     dp, tokens = len(rows), len(rows[0]) * capacity
     longest = sorted((n for leader in rows for row in leader for n in row), reverse=True)
-    fill, n = Fill(longest[::-1]), len(longest)
+    fill, n, whole = Fill(longest[::-1]), len(longest), kept_whole(longest, dp * len(rows[0]), capacity)
+    per_row = cut_room(longest, dp * len(rows[0]), capacity)
     mean = sum(x * x for x in longest) / dp
     best, top_tokens, top_squares = mean, 0, 0
-    for k in range(1, min(n, 2 * dp) + 1):
+    for k in range(1, min(2 * dp, whole) + 1):
         top_tokens, top_squares = top_tokens + longest[k - 1], top_squares + longest[k - 1] ** 2
         if (k - 1) % dp == 0:  # m + 1 of the m * dp + 1 longest on one replica
             held = longest[k - 1 - (k - 1) // dp : k]
             if sum(held) <= tokens:
-                best = max(best, sum(x * x for x in held) + fill(n - k, tokens - sum(held)))
+                best = max(
+                    best,
+                    sum(x * x for x in held) + fill(n - k, tokens - sum(held), len(rows[0]) * per_row),
+                )
         fewest = max(1, -(-top_tokens // tokens))
-        averages = [(top_squares + fill(n - k, q * tokens - top_tokens)) / q for q in range(fewest, min(k, dp) + 1)]
+        averages = [
+            (top_squares + fill(n - k, q * tokens - top_tokens, q * len(rows[0]) * per_row)) / q
+            for q in range(fewest, min(k, dp) + 1)
+        ]
         best = max(best, min(averages, default=best))
     return max(1.0, best / mean)
 
 
-def kept_whole(longest: list[int], rows: int) -> int:
-    """How many of a step's longest pieces (``longest``: descending) every placement that cuts a piece
-    only when no row holds it at its turn, longest first, keeps whole -- ``place`` among them: at
-    piece ``i``'s turn the rows' room is the tokens not yet placed, at least those of pieces
-    ``i, i + 1, ...``; while that exceeds ``rows`` (every row of the step) times ``L_i - 1``, some
-    row holds piece ``i`` whole.
+def kept_whole(longest: list[int], rows: int, capacity: int) -> int:
+    """How many of a step's longest pieces (``longest``: descending) stay whole in every placement
+    onto ``rows`` rows (every row of the step) of ``capacity`` tokens that cuts a piece only where,
+    counting the pieces before it (longest first), no row has room for it -- ``place`` keeps to that
+    (``_cuts_only_where_no_row_held``). For piece ``i`` to be cut, every row must hold more than
+    ``capacity - L_i`` tokens of the ``i`` pieces before it: so ``i >= rows``, those ``i`` pieces can
+    fill every row that far (those at least that long one row each, the others their tokens'
+    worth), and the room they leave, the tokens of piece ``i`` and all after it, is at most ``rows``
+    times ``L_i - 1``. The first ``i`` where all three hold.
 
-    >>> kept_whole([5, 4, 3, 2, 2], 2)  # 16 > 2 * 4, 11 > 2 * 3, 7 > 2 * 2, 4 > 2 * 1, not 2 > 2 * 1
+    >>> kept_whole([5, 4, 3, 2, 2], 2, 8)  # the last: the 14 tokens before it can fill both rows past 6
     4
     """
-    rest, k = sum(longest), 0
-    while k < len(longest) and rest > rows * (longest[k] - 1):
-        rest -= longest[k]
-        k += 1
-    return k
+    before = [0, *itertools.accumulate(longest)]  # tokens of the i longest
+    descending = [-m for m in longest]
+    for i, n in enumerate(longest):
+        least = capacity - n + 1  # what every row must hold of the pieces before piece i
+        alone = min(i, bisect.bisect_right(descending, -least))  # those at least that long
+        filled = alone + (before[i] - before[alone]) // least
+        if i >= rows and before[-1] - before[i] <= rows * (n - 1) and filled >= rows:
+            return i
+    return len(longest)
 
 
 class Search:
     """The least, over every way to put the ``k`` longest pieces whole onto ``replicas`` replicas of
     ``tokens`` tokens, of a bound on the costliest replica: each replica at least its own squares
-    plus its remaining room in the shortest other pieces (:class:`Fill`, the last one cut), and any
+    plus its remaining room in the shortest other pieces (:class:`Fill`), and any
     ``q`` replicas of the most squares at least, on average, their squares plus their rooms in the
     shortest others (as in :func:`floor_counted`). Branch and bound, longest first, onto each
     replica that differs from those before (equal replicas are one choice); a partial placement's
     bound counts the unplaced pieces among the fillers, so it never exceeds a completion's.
     ``None`` when it would visit more than ``nodes`` placements."""
 
-    def __init__(self, longest: list[int], replicas: int, tokens: int, k: int, nodes: int) -> None:
-        self.longest, self.replicas, self.tokens, self.k, self.nodes = longest, replicas, tokens, k, nodes
+    def __init__(self, longest: list[int], replicas: int, rows: int, capacity: int, k: int, nodes: int) -> None:
+        self.longest, self.replicas, self.rows, self.k, self.nodes = longest, replicas, rows, k, nodes
+        self.tokens = rows * capacity
+        self.per_row = cut_room(longest, replicas * rows, capacity)
         self.fill = Fill(longest[::-1])
         self.squares = [0] * replicas
         self.used = [0] * replicas
@@ -202,14 +242,14 @@ class Search:
 
     def _bound(self, m: int) -> float:
         """Each replica's bound, its room in the ``m`` shortest pieces."""
-        return max(s + self.fill(m, self.tokens - u) for s, u in zip(self.squares, self.used))
+        return max(s + self.fill(m, self.tokens - u, self.rows * self.per_row) for s, u in zip(self.squares, self.used))
 
     def _leaf(self) -> float:
         m, bound = len(self.longest) - self.k, self._bound(len(self.longest) - self.k)
         squares = room = 0
         for q, d in enumerate(sorted(range(self.replicas), key=lambda d: -self.squares[d]), 1):
             squares, room = squares + self.squares[d], room + self.tokens - self.used[d]
-            bound = max(bound, (squares + self.fill(m, room)) / q)
+            bound = max(bound, (squares + self.fill(m, room, q * self.rows * self.per_row)) / q)
         return bound
 
     def _place(self, j: int) -> None:
@@ -224,7 +264,16 @@ class Search:
             if self.used[d] + n <= self.tokens and (self.squares[d], self.used[d]) not in seen:
                 seen.add((self.squares[d], self.used[d]))
                 choices.append(
-                    (self.squares[d] + n * n + self.fill(len(self.longest) - j - 1, self.tokens - self.used[d] - n), d)
+                    (
+                        self.squares[d]
+                        + n * n
+                        + self.fill(
+                            len(self.longest) - j - 1,
+                            self.tokens - self.used[d] - n,
+                            self.rows * self.per_row,
+                        ),
+                        d,
+                    )
                 )
         for _, d in sorted(choices):
             self.squares[d], self.used[d] = self.squares[d] + n * n, self.used[d] + n
@@ -237,22 +286,24 @@ def floor(rows: list[list[list[int]]], capacity: int, reached: float | None = No
     """The least max / mean attention cost over the replicas of any placement of one step's pieces
     that keeps the :func:`kept_whole` longest whole and fills each replica's other room at best with
     the shortest other pieces (the last one cut): the larger of :func:`floor_counted` and
-    :class:`Search` over the ``k`` longest, ``k`` from ``2 * dp`` up in steps of ``dp`` while a
-    search ends within ``SEARCH_NODES`` placements (a deterministic budget: the same floor on every
-    run). The search only raises the floor towards what a placement reached: it is skipped where
+    :class:`Search` over the ``k`` longest, ``k`` from ``2 * dp`` up in steps of ``dp`` while the
+    searches end within ``SEARCH_NODES`` placements in all (a deterministic budget: the same floor
+    on every run). The search only raises the floor towards what a placement reached: it is skipped where
     ``reached`` (a placement's max / mean, if given) is within ``SEARCH_GAP`` of the counted floor.
     ``rows[j][r]``: the piece lengths of leader ``j``'s row ``r``, every row full."""
-    dp, tokens = len(rows), len(rows[0]) * capacity
+    dp = len(rows)
     longest = sorted((n for leader in rows for row in leader for n in row), reverse=True)
     mean = sum(x * x for x in longest) / dp
-    best, whole = floor_counted(rows, capacity), kept_whole(longest, dp * len(rows[0]))
+    best, whole = floor_counted(rows, capacity), kept_whole(longest, dp * len(rows[0]), capacity)
     if reached is not None and reached - best <= SEARCH_GAP:
         return best
+    budget = SEARCH_NODES
     for k in range(min(2 * dp, whole), whole + 1, dp):
-        found = Search(longest, dp, tokens, k, SEARCH_NODES)()
+        search = Search(longest, dp, len(rows[0]), capacity, k, budget)
+        found = search()
         if found is None:
             break
-        best = max(best, found / mean)
+        best, budget = max(best, found / mean), search.nodes  # what this search left of the budget
     return best
 
 
@@ -292,8 +343,9 @@ def subset_sums(values: list[int]) -> np.ndarray:
     return sums
 
 
-def keeps_whole(rows: list[list[list[int]]], out: list[list[list[Piece]]]) -> bool:
-    """Whether a placement ``out`` of the step's ``rows`` keeps the :func:`kept_whole` longest pieces whole."""
+def within_floor(rows: list[list[list[int]]], out: list[list[list[Piece]]], capacity: int) -> bool:
+    """Whether a placement ``out`` of the step's ``rows`` keeps the :func:`kept_whole` longest pieces
+    whole (``place`` keeps no try that cuts a piece where a row had room: so it must)."""
     pieces = sorted(
         (
             Piece(j, r, start, n)
@@ -305,7 +357,9 @@ def keeps_whole(rows: list[list[list[int]]], out: list[list[list[Piece]]]) -> bo
         key=lambda p: (-p.length, p),
     )
     placed = {p for replica in out for row in replica for p in row}
-    return all(p in placed for p in pieces[: kept_whole([p.length for p in pieces], len(rows) * len(rows[0]))])
+    return all(
+        p in placed for p in pieces[: kept_whole([p.length for p in pieces], len(rows) * len(rows[0]), capacity)]
+    )
 
 
 def exhaustive(steps: int) -> dict:
@@ -347,7 +401,7 @@ def case(name: str, dp: int, rows_per_step: int, steps: int) -> dict:
     record["attention_floor_longest"] = statistics.fmean(floor_longest(rows, seq_len + 1) for rows in per_step)
     record["attention_floor_counted"] = statistics.fmean(floor_counted(rows, seq_len + 1) for rows in per_step)
     for label, c in (("attention", 0.0), ("wide", float(WIDE))):
-        packed, placed, floors, below, cut = [], [], [], 0, 0
+        packed, placed, floors, below, outside = [], [], [], 0, 0
         for rows in per_step:
             out = place(rows, rows_per_step, seq_len + 1, c)
             packed.append(ratio(replica_costs(rows, c)))
@@ -355,13 +409,13 @@ def case(name: str, dp: int, rows_per_step: int, steps: int) -> dict:
             if c == 0.0:
                 floors.append(floor(rows, seq_len + 1, placed[-1]))
                 below += placed[-1] < floors[-1]  # the floor would be wrong
-                cut += not keeps_whole(rows, out)  # the floor would not apply to place
+                outside += not within_floor(rows, out, seq_len + 1)  # the floor would not apply to place
         record[f"{label}_packed"] = statistics.fmean(packed)
         record[f"{label}_placed"] = statistics.fmean(placed)
         record[f"{label}_placed_worst"] = max(placed)
         if c == 0.0:
             record["attention_floor"] = statistics.fmean(floors)
-            record["steps_below_floor"], record["steps_cutting_kept"] = below, cut
+            record["steps_below_floor"], record["steps_outside_floor"] = below, outside
     by_row = []  # Balance(rows=1), as TorchTitan's --dataloader.balance places them
     for rows in per_step:
         out = place_in_blocks(rows, rows_per_step, seq_len + 1, 0.0, 1)
@@ -588,21 +642,22 @@ def main() -> None:
         f"{', '.join(map(str, ROWS))}, and {MORE_ROWS[2]} once more for {MORE_ROWS[0]} at dp {MORE_ROWS[1]}; {steps} "
         "steps, seed = dp); the step's pieces are placed by `text.balance.place`. Balance = max / mean "
         "replica cost per step, mean over the steps (worst step beside it); cost = sum(L^2) + c sum(L) per row; "
-        f"c = 0 (attention) and c = {WIDE} (6 x 4096); *floor*: the least any placement can reach that keeps "
-        "whole the step's longest pieces that no row can refuse (`kept_whole`: while the tokens of a piece and "
-        "all shorter ones exceed the step's rows times its length less one, some row holds it at its turn, "
-        "longest first; `place` keeps them whole on every step here) and fills the rest of each replica at best "
-        "with the step's shortest other pieces (the last one cut): the larger of the *counted* floor (some "
-        "replica holds m + 1 of the m dp + 1 longest; the replicas that hold the k longest, k <= 2 dp, cost on "
-        "average at least their squares plus the rest of their rows in the shortest pieces) and a branch-and-bound "
-        f"search over every placement of the k longest (k from 2 dp up by dp, at most {SEARCH_NODES} placements "
-        f"a search; skipped where the counted floor is within {SEARCH_GAP} of the balanced step); `floor` in "
-        "bench/balance.py; mean over the steps; *above floor*: balanced - floor; *longest alone*: issue 29's "
-        "floor (the replica of the longest piece filled with the shortest); *row by row*: `Balance(rows=1)`, each "
-        "row slot placed on its own, as TorchTitan's `--dataloader.balance` does. Padding = slots / real tokens "
-        "- 1, the same either way. Checks over every case: steps balanced below the floor "
-        f"{sum(r['steps_below_floor'] for r in records)}, steps where `place` cut a piece the floor keeps whole "
-        f"{sum(r['steps_cutting_kept'] for r in records)} (each must be 0). "
+        f"c = 0 (attention) and c = {WIDE} (6 x 4096); *floor*: under the least max / mean of any placement that, "
+        "as `place` does, cuts a piece only where, counting the pieces before it (longest first), no row has room "
+        "for it. Such a placement keeps whole the step's `kept_whole` longest pieces, and a row's cut parts hold "
+        "fewer tokens than the first piece it does not keep (`cut_room`); every replica fills the rest of its "
+        "rows at best with the step's shortest other pieces, whole pieces at their tokens' cost along the "
+        "shortest first, cut parts free (`Fill`). The floor is the larger of the *counted* one (some replica holds "
+        "m + 1 of the m dp + 1 longest; the replicas that hold the k longest, k <= 2 dp, cost on average at least "
+        "their squares plus the rest of their rows) and a branch-and-bound search over every placement of the k "
+        f"longest (k from 2 dp up by dp, at most {SEARCH_NODES} placements a step in all; no search where the "
+        f"counted floor is within {SEARCH_GAP} of the balanced step); `floor` in bench/balance.py; mean over the "
+        "steps; *above floor*: balanced - floor; *longest alone*: issue 29's floor (the replica of the longest "
+        "piece filled with the shortest); *row by row*: `Balance(rows=1)`, each row slot placed on its own, as "
+        "TorchTitan's `--dataloader.balance` does. Padding = slots / real tokens - 1, the same either way. Checks "
+        "over every case, each must be 0: steps balanced below their floor "
+        f"{sum(r['steps_below_floor'] for r in records)}; steps where `place` cut a piece the floor keeps whole "
+        f"{sum(r['steps_outside_floor'] for r in records)}. "
         f"Targets: balanced <= {TARGET} with c = 0 (issue 29); balanced within {NEAR} of the floor (issue 40).",
         "",
         *table(
