@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -43,18 +42,6 @@ EXCHANGES = 128
 BIG_PER_ROW = 16
 """At most this many pieces per row of the step are placed before the fillers (and exchanged):
 bounds the exchanges' work when documents are tiny."""
-
-SHUFFLED = 8192
-"""Pieces times tries that :func:`place` spends on tries in shuffled orders after those of
-:data:`FILLS`: a step of 64 pieces gets 128 more, one of 8,192 or more none (at a large dp the
-plain tries' work already grows with dp)."""
-
-MOST_SHUFFLED = 128
-"""The most tries in shuffled orders per step."""
-
-SHUFFLE = 0.3
-"""A shuffled order sorts the pieces by ``length * (1 + SHUFFLE * u)``, ``u`` uniform in [0, 1):
-pieces within about 30% of each other's length may trade places."""
 
 
 @dataclass(frozen=True)
@@ -201,12 +188,10 @@ def place(
         for j, leader_rows in enumerate(rows)
     ]
     least = max(replica_costs(rows, linear_cost))
-    for share, order in _tries(pieces):
-        tried = _try(order, replicas, batch_rows, capacity, share)
+    for share in FILLS:
+        tried = _try(pieces, replicas, batch_rows, capacity, share)
         cost = max(replica_costs([[[p.length for p in row] for row in replica] for replica in tried], linear_cost))
-        # strictly better (a tie keeps the earlier, so every leader keeps the same), and no piece cut
-        # that a row held whole when it was its turn, longest first
-        if cost < least and _cuts_only_where_no_row_held(pieces, tried, capacity):
+        if cost < least:  # strictly better: a tie keeps the earlier, so every leader keeps the same
             best, least = tried, cost
     for replica in best:
         for row in replica:
@@ -243,50 +228,9 @@ def _starts(lengths: Sequence[int]) -> list[int]:
     return starts
 
 
-def _tries(pieces: list[Piece]) -> Iterator[tuple[float, list[Piece]]]:
-    """:func:`place`'s tries, ``(share of fillers, order of the pieces)``: each share of
-    :data:`FILLS` longest first, then up to :data:`MOST_SHUFFLED` shuffled orders (within
-    :data:`SHUFFLED` pieces times tries) going round the shares. The shuffles come from a generator
-    of a fixed seed: every leader tries the same orders."""
-    for share in FILLS:
-        yield share, pieces
-    rng = random.Random(0)
-    for t in range(min(MOST_SHUFFLED, SHUFFLED // max(len(pieces), 1))):
-        noise = [1 + SHUFFLE * rng.random() for _ in pieces]
-        order = sorted(range(len(pieces)), key=lambda i: (-pieces[i].length * noise[i], i))
-        yield FILLS[t % len(FILLS)], [pieces[i] for i in order]
-
-
-def _cuts_only_where_no_row_held(pieces: list[Piece], rows: list[list[list[Piece]]], capacity: int) -> bool:
-    """Whether every piece of ``pieces`` (longest first) that ``rows`` holds cut came at a time, in
-    that order, when no row had room for it: each row holds more than ``capacity - length`` tokens of
-    the pieces before it. A try in a shuffled order may break it (a shorter piece took the room
-    first): such a try is not kept."""
-    rank = {p: i for i, p in enumerate(pieces)}
-    whole = {p for replica in rows for row in replica for p in row if p in rank}
-    cut = [p for p in pieces if p not in whole]
-    if not cut:
-        return True
-    own: dict[tuple[int, int], list[Piece]] = {}  # each leader's row: its pieces by start
-    for p in sorted(pieces, key=lambda p: p.start):
-        own.setdefault((p.leader, p.row), []).append(p)
-    starts = {key: [p.start for p in row] for key, row in own.items()}
-
-    def rank_of(part: Piece) -> int:  # the rank of the piece a part was cut from
-        key = (part.leader, part.row)
-        return rank[own[key][bisect.bisect_right(starts[key], part.start) - 1]]
-
-    held = [sorted((rank_of(p), p.length) for p in row) for replica in rows for row in replica]
-    for piece in cut:
-        for row in held:
-            if capacity - sum(n for r, n in row if r < rank[piece]) >= piece.length:
-                return False
-    return True
-
-
 def _try(pieces: list[Piece], replicas: int, batch_rows: int, capacity: int, share: float) -> list[list[list[Piece]]]:
-    """One try of :func:`place`: ``pieces`` in the order to place them (longest first, or shuffled)
-    with the last ``share`` of their tokens as fillers."""
+    """One try of :func:`place`: ``pieces`` (longest first) with the shortest ``share`` of their
+    tokens as fillers."""
     budget, big = share * sum(p.length for p in pieces), len(pieces)
     while big and pieces[big - 1].length <= budget:
         budget -= pieces[big - 1].length
