@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import heapq
 import itertools
 import math
 import os
@@ -60,7 +61,8 @@ TIMED = ("long tail", 2)  # (mix, rows per replica) of the timed steps
 EXHAUSTIVE_CASE = ("log-normal", 2, 1)  # (mix, dp, rows): placed against the best of all placements
 EXHAUSTIVE = 20  # the most pieces a step may have to try all its placements
 SEARCH_NODES = 5_000  # the most placements the searches of one step's floor visit (see floor)
-SEARCH_GAP = 0.002  # no search where a placement is within this of the counted floor
+SEARCH_GAP = 0.002  # no search where a placement is within this of the floor so far
+RULE_NODES = 2_000  # the most nodes RuleSearch expands for one step's floor (see floor)
 MORE_ROWS = ("long tail", 8, 8)  # (mix, dp, rows): one case again with more rows per replica and step
 WORLD_ROWS = 2  # rows per replica and step in the dp = 2 x cp = 2 world
 WIDE = 6 * 4096  # c for a 4096-wide model (see text/balance.py)
@@ -114,62 +116,101 @@ def ratio(costs: list[float]) -> float:
 
 def floor_longest(rows: list[list[list[int]]], capacity: int) -> float:
     """The floor of issue 29: the replica of the longest piece ``P`` fills all its rows of
-    ``capacity`` tokens, at best, with the shortest other pieces (the last one cut to fit).
+    ``capacity`` tokens, at best, with the shortest other pieces (:class:`FirstCut`).
     ``rows[j][r]``: the piece lengths of leader ``j``'s row ``r``, every row full."""
-    pieces = sorted(n for leader in rows for row in leader for n in row)
-    fill = Fill(pieces[:-1])
-    most = len(rows[0]) * cut_room(pieces[::-1], len(rows) * len(rows[0]), capacity)
-    mean = sum(n * n for n in pieces) / len(rows)
-    return max(1.0, (pieces[-1] ** 2 + fill(len(pieces) - 1, len(rows[0]) * capacity - pieces[-1], most)) / mean)
+    longest = sorted((n for leader in rows for row in leader for n in row), reverse=True)
+    first_cut = FirstCut(longest, len(rows) * len(rows[0]), capacity)
+    mean = sum(n * n for n in longest) / len(rows)
+    room = len(rows[0]) * capacity - longest[0]
+    return max(1.0, (longest[0] ** 2 + float(first_cut.least(1, room, len(rows[0])))) / mean)
 
 
-class Fill:
-    """``fill(m, t, most)``: a floor under the sum(L**2) of ``t`` tokens drawn from the ``m`` shortest
-    pieces of ``ascending``, whole but for parts of cut pieces holding at most ``most`` tokens:
-    the parts counted as free, the whole pieces at least the shortest-first chord (each token of a
-    piece of length ``L`` at ``L``: ``sum(L**2)`` exactly where the tokens end a piece, linear
-    between). ``inf`` where the ``m`` pieces cannot hold ``t - most`` tokens.
+def cuttable(longest: list[int], rows: int, capacity: int) -> list[int]:
+    """The pieces (indices into ``longest``, descending) that can be the first one cut by a
+    placement onto ``rows`` rows (every row of the step) of ``capacity`` tokens that cuts a piece
+    only where, counting the pieces before it (longest first), no row has room for it --
+    ``place`` keeps to that (``_cuts_only_where_no_row_held``). For piece ``i`` to be cut first,
+    every row must hold more than ``capacity - L_i`` tokens of the ``i`` whole pieces before it: so
+    ``i >= rows``, those ``i`` pieces can fill every row that far (those at least that long one row
+    each, the others their tokens' worth), and the room they leave, the tokens of piece ``i`` and
+    all after it, is at most ``rows`` times ``L_i - 1``. The pieces where all three hold.
 
-    >>> fill = Fill([1, 1, 10, 10])
-    >>> fill(4, 12, 0), fill(4, 12, 5)  # 1 + 1 + 100 whole; or the two 1s and 5 tokens at 10 each
-    (102, 52)
+    >>> cuttable([5, 4, 3, 2, 2], 2, 8)  # the last: the 14 tokens before it can fill both rows past 6
+    [4]
+    """
+    before = [0, *itertools.accumulate(longest)]  # tokens of the i longest
+    descending = [-m for m in longest]
+    out = []
+    for i, n in enumerate(longest):
+        least = capacity - n + 1  # what every row must hold of the pieces before piece i
+        alone = min(i, bisect.bisect_right(descending, -least))  # those at least that long
+        filled = alone + (before[i] - before[alone]) // least
+        if i >= rows and before[-1] - before[i] <= rows * (n - 1) and filled >= rows:
+            out.append(i)
+    return out
+
+
+def kept_whole(longest: list[int], rows: int, capacity: int) -> int:
+    """How many of a step's longest pieces (``longest``: descending) stay whole in every placement
+    under :func:`cuttable`'s rule: those before the first piece that can be cut.
+
+    >>> kept_whole([5, 4, 3, 2, 2], 2, 8)
+    4
+    """
+    return next(iter(cuttable(longest, rows, capacity)), len(longest))
+
+
+class FirstCut:
+    """``least(k, tokens, rows)``: a floor under the ``sum(L**2)`` that ``tokens`` tokens of
+    ``rows`` rows (of one replica or several) cost when drawn from the pieces ranked ``k`` and on
+    (``longest``: the step's pieces, descending, onto ``all_rows`` rows of ``capacity``), in any
+    placement under :func:`cuttable`'s rule that keeps the ``k`` longest whole. Let piece ``i`` be
+    the first it cuts (one of :func:`cuttable` from ``k`` on; ``len(longest)``: none). Every row
+    then holds more than ``capacity - L_i`` tokens of the whole pieces ranked before ``i``, so at
+    least ``tokens - rows * (L_i - 1)`` of the tokens are whole pieces ranked ``k .. i - 1``,
+    costing at least those of the shortest of them along the chord (each token of a piece of
+    length ``L`` at ``L``; ``sum(L**2)`` exactly where the tokens end a piece); the others count
+    as free. The least over ``i``; ``inf`` where no ``i`` leaves enough pieces.
+
+    >>> first_cut = FirstCut([5, 4, 3, 2, 2], all_rows=2, capacity=8)
+    >>> first_cut.least(1, [3, 0], [1, 1])  # 3 tokens: cut at the last, 2 whole (a 2); no cut, a 2 + 1 of a 2
+    array([4., 0.])
     """
 
-    def __init__(self, ascending: list[int]) -> None:
-        self.ascending = ascending
-        self.tokens = [0, *itertools.accumulate(ascending)]
-        self.squares = [0, *itertools.accumulate(n * n for n in ascending)]
+    def __init__(self, longest: list[int], all_rows: int, capacity: int) -> None:
+        self.n = len(longest)
+        self.lengths = np.array([*longest, 0], np.float64)
+        self.tokens = np.concatenate([[0.0], np.cumsum(longest, dtype=np.float64)])  # of the i longest
+        self.squares = np.concatenate([[0.0], np.cumsum(np.square(np.array(longest, np.float64)))])
+        self.first = np.array([*cuttable(longest, all_rows, capacity), self.n], np.int64)
 
-    def __call__(self, m: int, t: int, most: int) -> float:
-        x = max(0, t - most)  # the tokens of whole pieces
-        if x > self.tokens[m]:
-            return math.inf
-        i = bisect.bisect_right(self.tokens, x, 0, m + 1) - 1
-        return self.squares[i] + ((x - self.tokens[i]) * self.ascending[i] if i < m else 0)
-
-
-def cut_room(longest: list[int], rows: int, capacity: int) -> int:
-    """The most tokens of cut parts one row may hold in a placement that cuts a piece only where,
-    counting the pieces before it, no row has room: a row's tokens from the first cut piece on
-    are its room at that piece's turn, less than that piece, which is at most the first piece
-    :func:`kept_whole` does not keep. ``longest``: the step's pieces, descending."""
-    whole = kept_whole(longest, rows, capacity)
-    return longest[whole] - 1 if whole < len(longest) else 0
+    def least(self, k: int, tokens: np.ndarray | float, rows: np.ndarray | float) -> np.ndarray:
+        """The floor for each of ``tokens`` on as many ``rows`` (arrays of one shape, or numbers)."""
+        tokens, rows = np.asarray(tokens, np.float64)[..., None], np.asarray(rows, np.float64)[..., None]
+        first = self.first[self.first >= k]
+        free = np.where(first < self.n, self.lengths[first] - 1, 0.0)  # per row, from the first cut on
+        whole = np.maximum(0.0, tokens - rows * free)
+        top = self.tokens[first]
+        # the shortest whole pieces ranked before the cut: x + 1 .. first - 1 wholly, then part of x
+        x = np.searchsorted(self.tokens, top - whole, side="right") - 1
+        after = np.minimum(x + 1, self.n)
+        cost = self.squares[first] - self.squares[after] + (whole - (top - self.tokens[after])) * self.lengths[x]
+        cost = np.where(whole == 0, 0.0, np.where(x >= k, cost, np.inf))
+        return cost.min(axis=-1)
 
 
 def floor_counted(rows: list[list[list[int]]], capacity: int) -> float:
-    """A floor from counting alone (:func:`floor` adds a search), over the ``k`` longest pieces
+    """A floor from counting alone (:func:`floor` adds searches), over the ``k`` longest pieces
     (``k`` up to ``2 * dp`` and at most the :func:`kept_whole`), each replica filling the rest of
-    its rows at best with the shortest other pieces (:class:`Fill`, a part cut in each row): some
-    replica holds ``m + 1`` of the ``m * dp + 1`` longest, at best the shortest of them (``m`` = 0:
-    the longest alone, the floor of issue 29); and the ``q`` replicas that hold the ``k`` longest
-    cost, on average, at least their squares plus ``q`` replicas' worth of tokens of the shortest
-    others (the least over the ``q`` their tokens allow). ``rows[j][r]``: the piece lengths of
-    leader ``j``'s row ``r``, every row full."""
-    dp, tokens = len(rows), len(rows[0]) * capacity
+    its rows at best with the shortest other pieces (:class:`FirstCut`): some replica holds
+    ``m + 1`` of the ``m * dp + 1`` longest, at best the shortest of them (``m`` = 0: the longest
+    alone, the floor of issue 29); and the ``q`` replicas that hold the ``k`` longest cost, on
+    average, at least their squares plus ``q`` replicas' worth of tokens of the shortest others
+    (the least over the ``q`` their tokens allow). ``rows[j][r]``: the piece lengths of leader
+    ``j``'s row ``r``, every row full."""
+    dp, per, tokens = len(rows), len(rows[0]), len(rows[0]) * capacity
     longest = sorted((n for leader in rows for row in leader for n in row), reverse=True)
-    fill, n, whole = Fill(longest[::-1]), len(longest), kept_whole(longest, dp * len(rows[0]), capacity)
-    per_row = cut_room(longest, dp * len(rows[0]), capacity)
+    first_cut, whole = FirstCut(longest, dp * per, capacity), kept_whole(longest, dp * per, capacity)
     mean = sum(x * x for x in longest) / dp
     best, top_tokens, top_squares = mean, 0, 0
     for k in range(1, min(2 * dp, whole) + 1):
@@ -177,58 +218,40 @@ def floor_counted(rows: list[list[list[int]]], capacity: int) -> float:
         if (k - 1) % dp == 0:  # m + 1 of the m * dp + 1 longest on one replica
             held = longest[k - 1 - (k - 1) // dp : k]
             if sum(held) <= tokens:
-                best = max(
-                    best,
-                    sum(x * x for x in held) + fill(n - k, tokens - sum(held), len(rows[0]) * per_row),
-                )
-        fewest = max(1, -(-top_tokens // tokens))
-        averages = [
-            (top_squares + fill(n - k, q * tokens - top_tokens, q * len(rows[0]) * per_row)) / q
-            for q in range(fewest, min(k, dp) + 1)
-        ]
-        best = max(best, min(averages, default=best))
+                best = max(best, sum(x * x for x in held) + float(first_cut.least(k, tokens - sum(held), per)))
+        q = np.arange(max(1, -(-top_tokens // tokens)), min(k, dp) + 1)
+        if len(q):
+            best = max(best, float(((top_squares + first_cut.least(k, q * tokens - top_tokens, q * per)) / q).min()))
     return max(1.0, best / mean)
 
 
-def kept_whole(longest: list[int], rows: int, capacity: int) -> int:
-    """How many of a step's longest pieces (``longest``: descending) stay whole in every placement
-    onto ``rows`` rows (every row of the step) of ``capacity`` tokens that cuts a piece only where,
-    counting the pieces before it (longest first), no row has room for it -- ``place`` keeps to that
-    (``_cuts_only_where_no_row_held``). For piece ``i`` to be cut, every row must hold more than
-    ``capacity - L_i`` tokens of the ``i`` pieces before it: so ``i >= rows``, those ``i`` pieces can
-    fill every row that far (those at least that long one row each, the others their tokens'
-    worth), and the room they leave, the tokens of piece ``i`` and all after it, is at most ``rows``
-    times ``L_i - 1``. The first ``i`` where all three hold.
-
-    >>> kept_whole([5, 4, 3, 2, 2], 2, 8)  # the last: the 14 tokens before it can fill both rows past 6
-    4
-    """
-    before = [0, *itertools.accumulate(longest)]  # tokens of the i longest
-    descending = [-m for m in longest]
-    for i, n in enumerate(longest):
-        least = capacity - n + 1  # what every row must hold of the pieces before piece i
-        alone = min(i, bisect.bisect_right(descending, -least))  # those at least that long
-        filled = alone + (before[i] - before[alone]) // least
-        if i >= rows and before[-1] - before[i] <= rows * (n - 1) and filled >= rows:
-            return i
-    return len(longest)
+def averaged(first_cut: FirstCut, k: int, squares: list[int], used: list[int], tokens: int, rows: int) -> float:
+    """Over the ``q`` replicas of the most ``squares`` (each ``rows`` rows, ``tokens`` tokens, of
+    which ``used`` are placed), for every ``q``: their squares plus the floor of their rooms' tokens
+    in the pieces ranked ``k`` and on (:class:`FirstCut`), on average. The most of those."""
+    order = np.argsort(-np.array(squares, np.float64), kind="stable")
+    total = np.cumsum(np.array(squares, np.float64)[order])
+    room = np.cumsum(tokens - np.array(used, np.float64)[order])
+    q = np.arange(1, len(squares) + 1)
+    return float(((total + first_cut.least(k, room, q * rows)) / q).max())
 
 
 class Search:
     """The least, over every way to put the ``k`` longest pieces whole onto ``replicas`` replicas of
-    ``tokens`` tokens, of a bound on the costliest replica: each replica at least its own squares
-    plus its remaining room in the shortest other pieces (:class:`Fill`), and any
-    ``q`` replicas of the most squares at least, on average, their squares plus their rooms in the
-    shortest others (as in :func:`floor_counted`). Branch and bound, longest first, onto each
+    ``rows`` rows of ``capacity`` tokens, of a bound on the costliest replica: each replica at least
+    its own squares plus its remaining room in the shortest other pieces (:class:`FirstCut`), and
+    any ``q`` replicas of the most squares at least, on average, their squares plus their rooms in
+    the shortest others (as in :func:`floor_counted`). Branch and bound, longest first, onto each
     replica that differs from those before (equal replicas are one choice); a partial placement's
     bound counts the unplaced pieces among the fillers, so it never exceeds a completion's.
-    ``None`` when it would visit more than ``nodes`` placements."""
+    ``None`` when it would visit more than ``nodes`` placements. ``k``: at most :func:`kept_whole`."""
 
-    def __init__(self, longest: list[int], replicas: int, rows: int, capacity: int, k: int, nodes: int) -> None:
+    def __init__(
+        self, longest: list[int], replicas: int, rows: int, capacity: int, k: int, nodes: int, first_cut: FirstCut
+    ) -> None:
         self.longest, self.replicas, self.rows, self.k, self.nodes = longest, replicas, rows, k, nodes
         self.tokens = rows * capacity
-        self.per_row = cut_room(longest, replicas * rows, capacity)
-        self.fill = Fill(longest[::-1])
+        self.first_cut = first_cut
         self.squares = [0] * replicas
         self.used = [0] * replicas
         self.best = float("inf")
@@ -240,17 +263,15 @@ class Search:
             return None
         return self.best
 
-    def _bound(self, m: int) -> float:
-        """Each replica's bound, its room in the ``m`` shortest pieces."""
-        return max(s + self.fill(m, self.tokens - u, self.rows * self.per_row) for s, u in zip(self.squares, self.used))
+    def _bound(self, j: int) -> float:
+        """Each replica's bound, its room in the pieces ranked ``j`` and on."""
+        rooms = self.tokens - np.array(self.used, np.float64)
+        return float((np.array(self.squares, np.float64) + self.first_cut.least(j, rooms, self.rows)).max())
 
     def _leaf(self) -> float:
-        m, bound = len(self.longest) - self.k, self._bound(len(self.longest) - self.k)
-        squares = room = 0
-        for q, d in enumerate(sorted(range(self.replicas), key=lambda d: -self.squares[d]), 1):
-            squares, room = squares + self.squares[d], room + self.tokens - self.used[d]
-            bound = max(bound, (squares + self.fill(m, room, q * self.rows * self.per_row)) / q)
-        return bound
+        return max(
+            self._bound(self.k), averaged(self.first_cut, self.k, self.squares, self.used, self.tokens, self.rows)
+        )
 
     def _place(self, j: int) -> None:
         self.nodes -= 1
@@ -263,47 +284,86 @@ class Search:
         for d in range(self.replicas):
             if self.used[d] + n <= self.tokens and (self.squares[d], self.used[d]) not in seen:
                 seen.add((self.squares[d], self.used[d]))
-                choices.append(
-                    (
-                        self.squares[d]
-                        + n * n
-                        + self.fill(
-                            len(self.longest) - j - 1,
-                            self.tokens - self.used[d] - n,
-                            self.rows * self.per_row,
-                        ),
-                        d,
-                    )
-                )
+                room = self.tokens - self.used[d] - n
+                choices.append((self.squares[d] + n * n + float(self.first_cut.least(j + 1, room, self.rows)), d))
         for _, d in sorted(choices):
             self.squares[d], self.used[d] = self.squares[d] + n * n, self.used[d] + n
-            if self._bound(len(self.longest) - j - 1) < self.best:
+            if self._bound(j + 1) < self.best:
                 self._place(j + 1)
             self.squares[d], self.used[d] = self.squares[d] - n * n, self.used[d] - n
 
 
+class RuleSearch:
+    """The least bound on the costliest replica over placements of the pieces one by one, longest
+    first, as the rule has them: a piece goes whole into any row that holds it (each choice that
+    differs from those before: equal (replica, rows) states are one), and is cut only where no row
+    does, which ends the branch (the rest counted free beyond :class:`FirstCut`'s bound). Best
+    first: the node of the least bound next (its bound as in :class:`Search`, the pieces from
+    the next on unplaced); the floor is the least bound left open, so it holds at any budget:
+    ``nodes`` expansions, or until that bound reaches ``stop`` (a placement's max cost). Unlike
+    :class:`Search`, this counts that a piece some row holds cannot be kept back for another."""
+
+    def __init__(self, longest: list[int], replicas: int, rows: int, capacity: int, first_cut: FirstCut) -> None:
+        self.longest, self.replicas, self.rows, self.capacity = longest, replicas, rows, capacity
+        self.first_cut = first_cut
+
+    def bound(self, squares: tuple[int, ...], rooms: tuple[tuple[int, ...], ...], j: int) -> float:
+        used = [self.rows * self.capacity - sum(r) for r in rooms]
+        room = np.array([sum(r) for r in rooms], np.float64)
+        own = float((np.array(squares, np.float64) + self.first_cut.least(j, room, self.rows)).max())
+        return max(own, averaged(self.first_cut, j, list(squares), used, self.rows * self.capacity, self.rows))
+
+    def __call__(self, nodes: int, stop: float = math.inf) -> float:
+        start = ((0,) * self.replicas, ((self.capacity,) * self.rows,) * self.replicas)
+        order = itertools.count()  # ties by depth, then first pushed: deterministic
+        heap = [(self.bound(*start, 0), 0, next(order), start)]
+        seen = set()
+        while True:
+            bound, depth, _, (squares, rooms) = heapq.heappop(heap)
+            j = -depth
+            n = self.longest[j] if j < len(self.longest) else 0
+            if bound >= stop or j == len(self.longest) or nodes == 0 or all(r < n for rr in rooms for r in rr):
+                return bound  # the least bound open; a leaf (all placed, or a cut) is its own bound
+            nodes -= 1
+            for d, own in enumerate(rooms):
+                for i, r in enumerate(own):
+                    if r >= n:
+                        child_rooms = (*rooms[:d], tuple(sorted((*own[:i], r - n, *own[i + 1 :]))), *rooms[d + 1 :])
+                        child_squares = (*squares[:d], squares[d] + n * n, *squares[d + 1 :])
+                        state = (j + 1, tuple(sorted(zip(child_squares, child_rooms))))
+                        if state not in seen:
+                            seen.add(state)
+                            child = max(bound, self.bound(child_squares, child_rooms, j + 1))
+                            heapq.heappush(heap, (child, -(j + 1), next(order), (child_squares, child_rooms)))
+
+
 def floor(rows: list[list[list[int]]], capacity: int, reached: float | None = None) -> float:
     """The least max / mean attention cost over the replicas of any placement of one step's pieces
-    that keeps the :func:`kept_whole` longest whole and fills each replica's other room at best with
-    the shortest other pieces (the last one cut): the larger of :func:`floor_counted` and
-    :class:`Search` over the ``k`` longest, ``k`` from ``2 * dp`` up in steps of ``dp`` while the
-    searches end within ``SEARCH_NODES`` placements in all (a deterministic budget: the same floor
-    on every run). The search only raises the floor towards what a placement reached: it is skipped where
-    ``reached`` (a placement's max / mean, if given) is within ``SEARCH_GAP`` of the counted floor.
+    under :func:`cuttable`'s rule, from below: the larger of :func:`floor_counted`,
+    :class:`Search` over the ``k`` longest (``k`` from ``2 * dp`` up in steps of ``dp`` while the
+    searches end within ``SEARCH_NODES`` placements in all) and, with one row per replica,
+    :class:`RuleSearch` (``RULE_NODES`` expansions). Deterministic budgets: the same floor on every
+    run. The searches only raise the floor towards what a placement reached: they are skipped where
+    ``reached`` (a placement's max / mean, if given) is within ``SEARCH_GAP`` of the floor so far.
+    The mean is the step's without cuts, the most any placement's can be.
     ``rows[j][r]``: the piece lengths of leader ``j``'s row ``r``, every row full."""
-    dp = len(rows)
+    dp, per = len(rows), len(rows[0])
     longest = sorted((n for leader in rows for row in leader for n in row), reverse=True)
     mean = sum(x * x for x in longest) / dp
-    best, whole = floor_counted(rows, capacity), kept_whole(longest, dp * len(rows[0]), capacity)
+    best, whole = floor_counted(rows, capacity), kept_whole(longest, dp * per, capacity)
     if reached is not None and reached - best <= SEARCH_GAP:
         return best
-    budget = SEARCH_NODES
+    first_cut, budget = FirstCut(longest, dp * per, capacity), SEARCH_NODES
     for k in range(min(2 * dp, whole), whole + 1, dp):
-        search = Search(longest, dp, len(rows[0]), capacity, k, budget)
+        search = Search(longest, dp, per, capacity, k, budget, first_cut)
         found = search()
         if found is None:
             break
         best, budget = max(best, found / mean), search.nodes  # what this search left of the budget
+    # with more rows per replica its open bounds stayed level within any budget tried (up to 2,000)
+    if per == 1 and (reached is None or reached - best > SEARCH_GAP):
+        stop = math.inf if reached is None else reached * mean
+        best = max(best, RuleSearch(longest, dp, per, capacity, first_cut)(RULE_NODES, stop) / mean)
     return best
 
 
