@@ -66,6 +66,7 @@ RULE_NODES = 2_000  # the most nodes RuleSearch expands for one step's floor (se
 MORE_ROWS = ("long tail", 8, 8)  # (mix, dp, rows): one case again with more rows per replica and step
 WORLD_ROWS = 2  # rows per replica and step in the dp = 2 x cp = 2 world
 WIDE = 6 * 4096  # c for a 4096-wide model (see text/balance.py)
+TITLE = "Balanced packing: cost per replica and per cp rank, off vs on"
 
 
 def mixes() -> dict[str, tuple[str, int, object]]:
@@ -667,6 +668,21 @@ def main() -> None:
     tried = exhaustive(steps)
     in_world = world(300_000 if args.quick else 1_500_000)
     e2e = end_to_end(1 if args.quick else 3, 1_500_000 if args.quick else 6_000_000)
+    results = {
+        "meta": run.meta(steps=steps, rows=ROWS),
+        "arithmetic": records,
+        "place_time": times,
+        "exhaustive": tried,
+        "world_dp2_cp2": in_world,
+        "end_to_end": e2e,
+    }
+    run.write("balance", TITLE, results, report(results))
+
+
+def report(results: dict) -> list[str]:
+    """The markdown body of ``results`` (as ``main`` writes them to bench/results/balance.json)."""
+    records, times, tried = results["arithmetic"], results["place_time"], results["exhaustive"]
+    in_world, e2e, steps = results["world_dp2_cp2"], results["end_to_end"], results["meta"]["steps"]
     rows = []
     for r in records:
         met = "met" if r["attention_placed"] <= TARGET else "**not met**"
@@ -714,14 +730,17 @@ def main() -> None:
         "replica cost per step, mean over the steps (worst step beside it); cost = sum(L^2) + c sum(L) per row; "
         f"c = 0 (attention) and c = {WIDE} (6 x 4096); *floor*: under the least max / mean of any placement that, "
         "as `place` does, cuts a piece only where, counting the pieces before it (longest first), no row has room "
-        "for it. Such a placement keeps whole the step's `kept_whole` longest pieces, and a row's cut parts hold "
-        "fewer tokens than the first piece it does not keep (`cut_room`); every replica fills the rest of its "
-        "rows at best with the step's shortest other pieces, whole pieces at their tokens' cost along the "
-        "shortest first, cut parts free (`Fill`). The floor is the larger of the *counted* one (some replica holds "
-        "m + 1 of the m dp + 1 longest; the replicas that hold the k longest, k <= 2 dp, cost on average at least "
-        "their squares plus the rest of their rows) and a branch-and-bound search over every placement of the k "
-        f"longest (k from 2 dp up by dp, at most {SEARCH_NODES} placements a step in all; no search where the "
-        f"counted floor is within {SEARCH_GAP} of the balanced step); `floor` in bench/balance.py; mean over the "
+        "for it. If piece i is the first it cuts (`cuttable`), every row holds more than capacity - L_i tokens of "
+        "whole pieces at least L_i long: each replica's rows hold at most rows x (L_i - 1) tokens counted free, the "
+        "others whole pieces ranked before i at their tokens' cost along the shortest first; the least over i "
+        "(`FirstCut`). The floor is the largest of the *counted* one (some replica holds m + 1 of the m dp + 1 "
+        "longest; the replicas that hold the k longest, k <= 2 dp, cost on average at least their squares plus the "
+        "rest of their rows), a branch-and-bound search over every placement of the k longest (k from 2 dp up by "
+        f"dp, at most {SEARCH_NODES} placements a step in all) and, with one row per replica, a best-first search "
+        "over placements made one piece at a time as the rule forces them (a piece some row holds goes whole into "
+        f"one of those rows; {RULE_NODES} expansions a step; the least bound left open); no search where the floor "
+        f"so far is within {SEARCH_GAP} of the balanced step; the mean: the step's without cuts (no placement's is "
+        "more); `floor` in bench/balance.py; mean over the "
         "steps; *above floor*: balanced - floor; *longest alone*: issue 29's floor (the replica of the longest "
         "piece filled with the shortest); *row by row*: `Balance(rows=1)`, each row slot placed on its own, as "
         "TorchTitan's `--dataloader.balance` does. Padding = slots / real tokens - 1, the same either way. Checks "
@@ -774,15 +793,7 @@ def main() -> None:
         f"{e2e['off']['model_seconds']:.2f} s and {e2e['on']['model_seconds']:.2f} s; the rest is loading, delivery and "
         "the all-reduce.",
     ]
-    results = {
-        "meta": run.meta(steps=steps, rows=ROWS),
-        "arithmetic": records,
-        "place_time": times,
-        "exhaustive": tried,
-        "world_dp2_cp2": in_world,
-        "end_to_end": e2e,
-    }
-    run.write("balance", "Balanced packing: cost per replica and per cp rank, off vs on", results, body)
+    return body
 
 
 if __name__ == "__main__":
