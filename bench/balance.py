@@ -130,7 +130,7 @@ def cuttable(longest: list[int], rows: int, capacity: int) -> list[int]:
     """The pieces (indices into ``longest``, descending) that can be the first one cut by a
     placement onto ``rows`` rows (every row of the step) of ``capacity`` tokens that cuts a piece
     only where, counting the pieces before it (longest first), no row has room for it --
-    ``place`` keeps to that (``_cuts_only_where_no_row_held``). For piece ``i`` to be cut first,
+    ``place`` keeps to that (:func:`within_floor` checks it). For piece ``i`` to be cut first,
     every row must hold more than ``capacity - L_i`` tokens of the ``i`` whole pieces before it: so
     ``i >= rows``, those ``i`` pieces can fill every row that far (those at least that long one row
     each, the others their tokens' worth), and the room they leave, the tokens of piece ``i`` and

@@ -154,9 +154,10 @@ def place(
     two (at most :data:`EXCHANGES` times). Then the fillers, and what fit nowhere before, go
     whole the same way by cost as it stands, and what fits nowhere whole fills the remaining
     room, cut where the room ends (as the packer cuts at a row's edge): as in the plain greedy
-    (the try of share 0), a piece is cut only when no row holds it whole. The try whose most costly
-    replica costs least is kept (the first of equals); if none beats the rows as packed, they
-    stay where they were. Work per try: about ``pieces * log(dp)`` to place, and per exchange
+    (the try of share 0), a piece is cut only where, counting the pieces before it (longest
+    first), no row holds it whole; the exchanges keep to that (none frees a row's room under a
+    piece left to be cut). The try whose most costly replica costs least is kept (the first of
+    equals); if none beats the rows as packed, they stay where they were. Work per try: about ``pieces * log(dp)`` to place, and per exchange
     ``dp`` plus ``PARTNERS`` times the pieces of two replicas (``log`` of a row's pieces each).
 
     >>> packed = [[[9], [9]], [[3, 3, 3], [5, 4]]]  # leader 0: two 9-token documents; leader 1: short ones
@@ -180,7 +181,7 @@ def place(
             for start, n in zip(_starts(row), row)
             if n
         ),
-        key=lambda p: (-p.length, p),
+        key=_rank,
     )
     best = [
         [[Piece(j, r, s, n) for s, n in zip(_starts(row), row) if n] for r, row in enumerate(leader_rows)]
@@ -220,6 +221,11 @@ def place_in_blocks(
     return out
 
 
+def _rank(piece: Piece) -> tuple[int, Piece]:
+    """A piece's place in the order :func:`place` takes them: longest first, ties by the piece."""
+    return (-piece.length, piece)
+
+
 def _starts(lengths: Sequence[int]) -> list[int]:
     starts, at = [], 0
     for n in lengths:
@@ -239,12 +245,13 @@ def _try(pieces: list[Piece], replicas: int, batch_rows: int, capacity: int, sha
     layout = _Layout(replicas, batch_rows, capacity, pieces[big:])
     left = layout.put_whole(pieces[:big])
     if big < len(pieces):  # without fillers every row is full or holds no more piece: nothing to trade
+        layout.skipped = left
         layout.exchange()
     # the fillers by cost as it stands: by the key, a piece shorter than the fillers' mean lowers
     # its replica's, which would then take every short piece and leave the long ones to the others
     layout.fill_sq, layout.fill_tokens = 0, 1
     left = layout.put_whole(left + pieces[big:])  # what fit nowhere may fit after the exchanges
-    layout.cut(sorted(left, key=lambda p: (-p.length, p)))
+    layout.cut(sorted(left, key=_rank))
     return layout.rows
 
 
@@ -263,7 +270,9 @@ class _Layout:
 
     def __init__(self, replicas: int, batch_rows: int, capacity: int, fillers: Sequence[Piece]) -> None:
         self.rows: list[list[list[Piece]]] = [[[] for _ in range(batch_rows)] for _ in range(replicas)]
+        self.capacity = capacity
         self.room = [[capacity] * batch_rows for _ in range(replicas)]
+        self.skipped: list[Piece] = []  # pieces no row held at their turn: the exchanges keep it so
         self.sq = [0] * replicas
         self.fill_tokens = max(sum(p.length for p in fillers), 1)
         self.fill_sq = sum(p.length * p.length for p in fillers)
@@ -357,11 +366,34 @@ class _Layout:
                         for side in (range(near - 1, lo - 1, -1), range(near, hi)):
                             for k in side:
                                 v, m, j = bundles[k]
-                                if self.room[b][y] + m >= n and self.room[a][x] + n >= m:
+                                if (
+                                    self.room[b][y] + m >= n
+                                    and self.room[a][x] + n >= m
+                                    and self._keeps_skipped(a, x, i, b, y, j)
+                                ):
                                     trade = (max(keys[a] - w + v, keys[b] + w - v), b, x, i, y, j)
                                     best = trade if best is None or trade < best else best
                                     break
         return best
+
+    def _keeps_skipped(self, a: int, x: int, i: int, b: int, y: int, j: int) -> bool:
+        """Whether trading piece ``i`` of row ``x`` of ``a`` for piece ``j`` of row ``y`` of ``b``
+        (-1: nothing back) leaves every :attr:`skipped` piece where no row could have held it: each
+        row still holds more than ``capacity - L`` tokens of the pieces ranked before it (longest
+        first). A trade that opened that room would have the piece cut where, at its turn, a row
+        held it whole."""
+        mine = self.rows[a][x][i]
+        theirs = self.rows[b][y][j] if j >= 0 else None
+        for row, out, into in ((self.rows[a][x], mine, theirs), (self.rows[b][y], theirs, mine)):
+            for piece in self.skipped:
+                turn = _rank(piece)
+                lost = (out.length if out is not None and _rank(out) < turn else 0) - (
+                    into.length if into is not None and _rank(into) < turn else 0
+                )
+                held = sum(p.length for p in row if _rank(p) < turn)
+                if lost > 0 and held - lost <= self.capacity - piece.length:
+                    return False
+        return True
 
     def _bundles(self, row: list[Piece]) -> list[tuple[int, int, int]]:
         """``(weight, length, index)`` of one piece of ``row`` per length (the others trade the
