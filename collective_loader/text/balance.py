@@ -157,8 +157,9 @@ def place(
     (the try of share 0), a piece is cut only where, counting the pieces before it (longest
     first), no row holds it whole; the exchanges keep to that (none frees a row's room under a
     piece left to be cut). The try whose most costly replica costs least is kept (the first of
-    equals); if none beats the rows as packed, they stay where they were. Work per try: about ``pieces * log(dp)`` to place, and per exchange
-    ``dp`` plus ``PARTNERS`` times the pieces of two replicas (``log`` of a row's pieces each).
+    equals); if none beats the rows as packed, they stay where they were. Work per try: about
+    ``pieces * log(dp)`` to place, and per exchange ``dp`` plus ``PARTNERS`` times the pieces of
+    two replicas (``log`` of a row's pieces each).
 
     >>> packed = [[[9], [9]], [[3, 3, 3], [5, 4]]]  # leader 0: two 9-token documents; leader 1: short ones
     >>> replica_costs(packed, 0)
@@ -390,8 +391,7 @@ class _Layout:
                 lost = (out.length if out is not None and _rank(out) < turn else 0) - (
                     into.length if into is not None and _rank(into) < turn else 0
                 )
-                held = sum(p.length for p in row if _rank(p) < turn)
-                if lost > 0 and held - lost <= self.capacity - piece.length:
+                if lost > 0 and sum(p.length for p in row if _rank(p) < turn) - lost <= self.capacity - piece.length:
                     return False
         return True
 
