@@ -151,16 +151,6 @@ def cuttable(longest: list[int], rows: int, capacity: int) -> list[int]:
     return out
 
 
-def kept_whole(longest: list[int], rows: int, capacity: int) -> int:
-    """How many of a step's longest pieces (``longest``: descending) stay whole in every placement
-    under :func:`cuttable`'s rule: those before the first piece that can be cut.
-
-    >>> kept_whole([5, 4, 3, 2, 2], 2, 8)
-    4
-    """
-    return next(iter(cuttable(longest, rows, capacity)), len(longest))
-
-
 class FirstCut:
     """``least(k, tokens, rows)``: a floor under the ``sum(L**2)`` that ``tokens`` tokens of
     ``rows`` rows (of one replica or several) cost when drawn from the pieces ranked ``k`` and on
@@ -171,9 +161,12 @@ class FirstCut:
     least ``tokens - rows * (L_i - 1)`` of the tokens are whole pieces ranked ``k .. i - 1``,
     costing at least those of the shortest of them along the chord (each token of a piece of
     length ``L`` at ``L``; ``sum(L**2)`` exactly where the tokens end a piece); the others count
-    as free. The least over ``i``; ``inf`` where no ``i`` leaves enough pieces.
+    as free. The least over ``i``; ``inf`` where no ``i`` leaves enough pieces. ``kept_whole``: how
+    many of the longest pieces every such placement keeps whole (those before the first cuttable).
 
     >>> first_cut = FirstCut([5, 4, 3, 2, 2], all_rows=2, capacity=8)
+    >>> first_cut.kept_whole
+    4
     >>> first_cut.least(1, [3, 0], [1, 1])  # 3 tokens: cut at the last, 2 whole (a 2); no cut, a 2 + 1 of a 2
     array([4., 0.])
     """
@@ -184,6 +177,7 @@ class FirstCut:
         self.tokens = np.concatenate([[0.0], np.cumsum(longest, dtype=np.float64)])  # of the i longest
         self.squares = np.concatenate([[0.0], np.cumsum(np.square(np.array(longest, np.float64)))])
         self.first = np.array([*cuttable(longest, all_rows, capacity), self.n], np.int64)
+        self.kept_whole = int(self.first[0])
 
     def least(self, k: int, tokens: np.ndarray | float, rows: np.ndarray | float) -> np.ndarray:
         """The floor for each of ``tokens`` on as many ``rows`` (arrays of one shape, or numbers)."""
@@ -202,7 +196,7 @@ class FirstCut:
 
 def floor_counted(rows: list[list[list[int]]], capacity: int) -> float:
     """A floor from counting alone (:func:`floor` adds searches), over the ``k`` longest pieces
-    (``k`` up to ``2 * dp`` and at most the :func:`kept_whole`), each replica filling the rest of
+    (``k`` up to ``2 * dp`` and at most :attr:`FirstCut.kept_whole`), each replica filling the rest of
     its rows at best with the shortest other pieces (:class:`FirstCut`): some replica holds
     ``m + 1`` of the ``m * dp + 1`` longest, at best the shortest of them (``m`` = 0: the longest
     alone, the floor of issue 29); and the ``q`` replicas that hold the ``k`` longest cost, on
@@ -211,7 +205,8 @@ def floor_counted(rows: list[list[list[int]]], capacity: int) -> float:
     ``j``'s row ``r``, every row full."""
     dp, per, tokens = len(rows), len(rows[0]), len(rows[0]) * capacity
     longest = sorted((n for leader in rows for row in leader for n in row), reverse=True)
-    first_cut, whole = FirstCut(longest, dp * per, capacity), kept_whole(longest, dp * per, capacity)
+    first_cut = FirstCut(longest, dp * per, capacity)
+    whole = first_cut.kept_whole
     mean = sum(x * x for x in longest) / dp
     best, top_tokens, top_squares = mean, 0, 0
     for k in range(1, min(2 * dp, whole) + 1):
@@ -245,7 +240,7 @@ class Search:
     the shortest others (as in :func:`floor_counted`). Branch and bound, longest first, onto each
     replica that differs from those before (equal replicas are one choice); a partial placement's
     bound counts the unplaced pieces among the fillers, so it never exceeds a completion's.
-    ``None`` when it would visit more than ``nodes`` placements. ``k``: at most :func:`kept_whole`."""
+    ``None`` when it would visit more than ``nodes`` placements. ``k``: at most :attr:`FirstCut.kept_whole`."""
 
     def __init__(
         self, longest: list[int], replicas: int, rows: int, capacity: int, k: int, nodes: int, first_cut: FirstCut
@@ -351,10 +346,11 @@ def floor(rows: list[list[list[int]]], capacity: int, reached: float | None = No
     dp, per = len(rows), len(rows[0])
     longest = sorted((n for leader in rows for row in leader for n in row), reverse=True)
     mean = sum(x * x for x in longest) / dp
-    best, whole = floor_counted(rows, capacity), kept_whole(longest, dp * per, capacity)
+    best = floor_counted(rows, capacity)
     if reached is not None and reached - best <= SEARCH_GAP:
         return best
     first_cut, budget = FirstCut(longest, dp * per, capacity), SEARCH_NODES
+    whole = first_cut.kept_whole
     for k in range(min(2 * dp, whole), whole + 1, dp):
         search = Search(longest, dp, per, capacity, k, budget, first_cut)
         found = search()
