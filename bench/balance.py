@@ -12,8 +12,9 @@
    the table gives its mean over the steps, as packed and as placed, with ``c = 0`` (attention
    alone) and ``c = 6 * 4096`` (a 4096-wide model), at 1, 2 and 4 rows per replica and step.
    Padding overhead = token slots / real tokens - 1 (the same with and without balancing: rows
-   stay full). Beside it, a floor no placement that keeps pieces whole can beat (:func:`floor`),
-   and the older, looser one of the longest piece alone.
+   stay full). Beside it, a floor no placement can beat that cuts a piece only where, counting the
+   longer pieces, no row has room for it, as ``place`` does (:func:`floor`), and the older, looser
+   one of the longest piece alone.
    Then :func:`~collective_loader.text.balance.place`'s time per step against dp, 8 to 1,024
    leaders' pieces of the long-tail mix (2 rows of 32k per replica), as one leader computes it.
 2. A real world of dp = 2 x cp = 2 on MDS datasets of the tiny and long-tail mixes: off (each
