@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,6 +33,18 @@ from typing import NamedTuple
 FILLS = (0.0, 0.1, 0.25, 0.5)
 """The tries of :func:`place`: each the share of a step's tokens kept back as fillers (0: every
 piece placed longest first, the plain greedy). Which share does best depends on the step."""
+
+TRIES = 64
+"""The most *perturbed* tries of :func:`place` after the plain ones of :data:`FILLS`: each as the
+plain try of its share, but every piece goes to the replica whose cost times a factor drawn in
+``[1, 1.25)`` is least (a generator seeded with the try's number: the same on every leader).
+Where a step has few pieces, which replica takes which decides its balance, and one greedy order
+is often a few percent off the best placement; the best of many is closer."""
+
+TRY_WORK = 1 << 16
+"""The most ``pieces * replicas`` that the perturbed tries of one step may take together (each
+looks at every replica per piece): ``TRIES`` of them at a small dp, fewer as dp grows, none once one
+try would exceed it (dp 128 and more with rows of a few dozen pieces)."""
 
 PARTNERS = 8
 """How many of the least costly replicas the costliest one trades pieces with, per exchange."""
@@ -190,8 +203,10 @@ def place(
         for j, leader_rows in enumerate(rows)
     ]
     least = max(replica_costs(rows, linear_cost))
-    for share in FILLS:
-        tried = _try(pieces, replicas, batch_rows, capacity, share)
+    perturbed = min(TRIES, TRY_WORK // (len(pieces) * replicas or 1))
+    tries = [(share, None) for share in FILLS] + [(FILLS[t % len(FILLS)], random.Random(t)) for t in range(perturbed)]
+    for share, rng in tries:
+        tried = _try(pieces, replicas, batch_rows, capacity, share, rng)
         cost = max(replica_costs([[[p.length for p in row] for row in replica] for replica in tried], linear_cost))
         if cost < least:  # strictly better: a tie keeps the earlier, so every leader keeps the same
             best, least = tried, cost
@@ -235,23 +250,29 @@ def _starts(lengths: Sequence[int]) -> list[int]:
     return starts
 
 
-def _try(pieces: list[Piece], replicas: int, batch_rows: int, capacity: int, share: float) -> list[list[list[Piece]]]:
+def _try(
+    pieces: list[Piece], replicas: int, batch_rows: int, capacity: int, share: float, rng: random.Random | None
+) -> list[list[list[Piece]]]:
     """One try of :func:`place`: ``pieces`` (longest first) with the shortest ``share`` of their
-    tokens as fillers."""
+    tokens as fillers; perturbed by ``rng`` (:data:`TRIES`), or plain (``None``)."""
+
+    def put_whole(pieces: Sequence[Piece]) -> list[Piece]:
+        return layout.put_whole(pieces) if rng is None else layout.put_perturbed(pieces, rng)
+
     budget, big = share * sum(p.length for p in pieces), len(pieces)
     while big and pieces[big - 1].length <= budget:
         budget -= pieces[big - 1].length
         big -= 1
     big = min(big, BIG_PER_ROW * replicas * batch_rows)
     layout = _Layout(replicas, batch_rows, capacity, pieces[big:])
-    left = layout.put_whole(pieces[:big])
+    left = put_whole(pieces[:big])
     if big < len(pieces):  # without fillers every row is full or holds no more piece: nothing to trade
         layout.skipped = left
         layout.exchange()
     # the fillers by cost as it stands: by the key, a piece shorter than the fillers' mean lowers
     # its replica's, which would then take every short piece and leave the long ones to the others
     layout.fill_sq, layout.fill_tokens = 0, 1
-    left = layout.put_whole(left + pieces[big:])  # what fit nowhere may fit after the exchanges
+    left = put_whole(left + pieces[big:])  # what fit nowhere may fit after the exchanges
     layout.cut(sorted(left, key=_rank))
     return layout.rows
 
@@ -323,6 +344,25 @@ class _Layout:
                 break
             else:
                 left.append(piece)
+        return left
+
+    def put_perturbed(self, pieces: Sequence[Piece], rng: random.Random) -> list[Piece]:
+        """As :meth:`put_whole`, but onto the replica of least key times ``1 + b / 1024``, ``b`` a
+        byte drawn from ``rng`` for each piece and replica (:data:`TRIES`): ``pieces * replicas`` work."""
+        replicas = len(self.rows)
+        noise = rng.randbytes(len(pieces) * replicas)
+        keys = [self.key(d) for d in range(replicas)]
+        largest = [max(room) for room in self.room]
+        left: list[Piece] = []
+        for i, piece in enumerate(pieces):
+            n, at = piece.length, i * replicas
+            fits = [(keys[d] * (1024 + noise[at + d]), d) for d in range(replicas) if largest[d] >= n]
+            if not fits:
+                left.append(piece)
+                continue
+            d = min(fits)[1]
+            self.put(d, min((room - n, r) for r, room in enumerate(self.room[d]) if room >= n)[1], piece)
+            keys[d], largest[d] = self.key(d), max(self.room[d])
         return left
 
     def exchange(self) -> None:
