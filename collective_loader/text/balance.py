@@ -169,10 +169,14 @@ def place(
     room, cut where the room ends (as the packer cuts at a row's edge): as in the plain greedy
     (the try of share 0), a piece is cut only where, counting the pieces before it (longest
     first), no row holds it whole; the exchanges keep to that (none frees a row's room under a
-    piece left to be cut). The try whose most costly replica costs least is kept (the first of
-    equals); if none beats the rows as packed, they stay where they were. Work per try: about
-    ``pieces * log(dp)`` to place, and per exchange ``dp`` plus ``PARTNERS`` times the pieces of
-    two replicas (``log`` of a row's pieces each).
+    piece left to be cut). Then up to :data:`TRIES` *perturbed* tries, the same but each piece onto
+    the replica whose cost times a seeded random factor is least, while their ``pieces * dp``
+    stays within :data:`TRY_WORK` (at a small dp, where few pieces make one greedy order a few
+    percent off the best, many; from dp 128 on, with rows of a few dozen pieces, none). The try
+    whose most costly replica costs least is kept (the first of equals); if none beats the rows
+    as packed, they stay where they were. Work per plain try: about ``pieces * log(dp)`` to
+    place, and per exchange ``dp`` plus ``PARTNERS`` times the pieces of two replicas (``log`` of
+    a row's pieces each); per perturbed try ``pieces * dp`` to place.
 
     >>> packed = [[[9], [9]], [[3, 3, 3], [5, 4]]]  # leader 0: two 9-token documents; leader 1: short ones
     >>> replica_costs(packed, 0)
