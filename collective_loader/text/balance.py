@@ -44,7 +44,7 @@ is often a few percent off the best placement; the best of many is closer."""
 TRY_WORK = 1 << 16
 """The most ``pieces * replicas`` that the perturbed tries of one step may take together (each
 looks at every replica per piece): ``TRIES`` of them at a small dp, fewer as dp grows, none once one
-try would exceed it (dp 128 and more with rows of a few dozen pieces)."""
+try would exceed it (from dp 64 on with two rows of a few dozen pieces per replica)."""
 
 PARTNERS = 8
 """How many of the least costly replicas the costliest one trades pieces with, per exchange."""
@@ -172,7 +172,7 @@ def place(
     piece left to be cut). Then up to :data:`TRIES` *perturbed* tries, the same but each piece onto
     the replica whose cost times a seeded random factor is least, while their ``pieces * dp``
     stays within :data:`TRY_WORK` (at a small dp, where few pieces make one greedy order a few
-    percent off the best, many; from dp 128 on, with rows of a few dozen pieces, none). The try
+    percent off the best, many; none from dp 64 on with two rows of a few dozen pieces). The try
     whose most costly replica costs least is kept (the first of equals); if none beats the rows
     as packed, they stay where they were. Work per plain try: about ``pieces * log(dp)`` to
     place, and per exchange ``dp`` plus ``PARTNERS`` times the pieces of two replicas (``log`` of
