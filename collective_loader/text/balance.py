@@ -41,6 +41,10 @@ plain try of its share, but every piece goes to the replica whose cost times a f
 Where a step has few pieces, which replica takes which decides its balance, and one greedy order
 is often a few percent off the best placement; the best of many is closer."""
 
+TRY_GAP = 0.001
+"""The perturbed tries stop once the best placement's costliest replica is within this share of
+what it costs at least (about: the mean, or the longest piece's replica filled with the shortest)."""
+
 TRY_WORK = 1 << 16
 """The most ``pieces * replicas`` that the perturbed tries of one step may take together (each
 looks at every replica per piece): ``TRIES`` of them at a small dp, fewer as dp grows, none once one
@@ -209,7 +213,10 @@ def place(
     least = max(replica_costs(rows, linear_cost))
     perturbed = min(TRIES, TRY_WORK // (len(pieces) * replicas or 1))
     tries = [(share, None) for share in FILLS] + [(FILLS[t % len(FILLS)], random.Random(t)) for t in range(perturbed)]
+    near = _near_floor(pieces, replicas, batch_rows, capacity, linear_cost) * (1 + TRY_GAP)
     for share, rng in tries:
+        if rng is not None and least <= near:
+            break
         tried = _try(pieces, replicas, batch_rows, capacity, share, rng)
         cost = max(replica_costs([[[p.length for p in row] for row in replica] for replica in tried], linear_cost))
         if cost < least:  # strictly better: a tie keeps the earlier, so every leader keeps the same
@@ -239,6 +246,23 @@ def place_in_blocks(
         for d, replica in enumerate(part):
             out[d] += [[p._replace(row=p.row + first) for p in row] for row in replica]
     return out
+
+
+def _near_floor(pieces: Sequence[Piece], replicas: int, batch_rows: int, capacity: int, linear_cost: float) -> float:
+    """What the costliest replica costs at least, about: the mean cost, and the longest piece's
+    replica with the rest of its rows in the shortest pieces (cheap to count; cuts may go a little
+    below it, so it only tells the perturbed tries when to stop)."""
+    lengths = sorted(p.length for p in pieces)
+    mean = sum(n * n + linear_cost * n for n in lengths) / replicas
+    if not lengths:
+        return mean
+    need, alone = batch_rows * capacity - lengths[-1], row_cost(lengths[-1:], linear_cost)
+    for n in lengths[:-1]:
+        if need <= 0:
+            break
+        k = min(n, need)
+        alone, need = alone + k * k + linear_cost * k, need - k
+    return max(mean, alone)
 
 
 def _rank(piece: Piece) -> tuple[int, Piece]:
