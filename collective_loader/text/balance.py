@@ -176,7 +176,8 @@ def place(
     piece left to be cut). Then up to :data:`TRIES` *perturbed* tries, the same but each piece onto
     the replica whose cost times a seeded random factor is least, while their ``pieces * dp``
     stays within :data:`TRY_WORK` (at a small dp, where few pieces make one greedy order a few
-    percent off the best, many; none from dp 64 on with two rows of a few dozen pieces). The try
+    percent off the best, many; none from dp 64 on with two rows of a few dozen pieces) and the
+    best so far is more than :data:`TRY_GAP` above a cheap floor (:func:`_near_floor`). The try
     whose most costly replica costs least is kept (the first of equals); if none beats the rows
     as packed, they stay where they were. Work per plain try: about ``pieces * log(dp)`` to
     place, and per exchange ``dp`` plus ``PARTNERS`` times the pieces of two replicas (``log`` of

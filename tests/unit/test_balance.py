@@ -161,6 +161,21 @@ def test_the_perturbed_tries_lower_few_pieces_steps_and_place_the_same_every_tim
     assert np.mean(with_tries) < np.mean(plain) - 0.002, (np.mean(with_tries), np.mean(plain))
 
 
+def test_the_perturbed_tries_stop_where_a_plain_try_reaches_the_floor(monkeypatch):
+    """A step the plain tries balance exactly (every replica the mean) runs no perturbed try;
+    one of long and short documents that they leave above it runs them all (``TRIES``)."""
+    calls = []
+    plain_try = balance._try
+    monkeypatch.setattr(balance, "_try", lambda *args: calls.append(args[-1]) or plain_try(*args))
+    place([[[4, 4]], [[2, 2, 2, 2]], [[4, 4]], [[2, 2, 2, 2]]], 1, 8)
+    assert len(calls) == len(balance.FILLS) and all(rng is None for rng in calls)
+    calls.clear()
+    rng = np.random.default_rng(7)
+    docs = np.clip(rng.lognormal(5.1, 1.5, 1_000), 4, 2048).astype(int).tolist()
+    place(packer_steps(rng, 4, 2, 2048, docs), 2, 2048)
+    assert len(calls) == len(balance.FILLS) + balance.TRIES
+
+
 @settings(FAST, max_examples=100)  # each example places up to 48 rows of 2k: 100 keep this under a second
 @given(
     seed=st.integers(0, 2**32 - 1),
