@@ -213,12 +213,13 @@ def place(
     ]
     least = max(replica_costs(rows, linear_cost))
     perturbed = min(TRIES, TRY_WORK // (len(pieces) * replicas or 1))
-    tries = [(share, None) for share in FILLS] + [(FILLS[t % len(FILLS)], random.Random(t)) for t in range(perturbed)]
     near = _near_floor(pieces, replicas, batch_rows, capacity, linear_cost) * (1 + TRY_GAP)
-    for share, rng in tries:
-        if rng is not None and least <= near:
+    for t in range(-len(FILLS), perturbed):  # the plain tries (t < 0), then the perturbed ones, seeded t
+        if t >= 0 and least <= near:
             break
-        tried = _try(pieces, replicas, batch_rows, capacity, share, rng)
+        tried = _try(
+            pieces, replicas, batch_rows, capacity, FILLS[t % len(FILLS)], random.Random(t) if t >= 0 else None
+        )
         cost = max(replica_costs([[[p.length for p in row] for row in replica] for replica in tried], linear_cost))
         if cost < least:  # strictly better: a tie keeps the earlier, so every leader keeps the same
             best, least = tried, cost
@@ -250,15 +251,14 @@ def place_in_blocks(
 
 
 def _near_floor(pieces: Sequence[Piece], replicas: int, batch_rows: int, capacity: int, linear_cost: float) -> float:
-    """What the costliest replica costs at least, about: the mean cost, and the longest piece's
-    replica with the rest of its rows in the shortest pieces (cheap to count; cuts may go a little
-    below it, so it only tells the perturbed tries when to stop)."""
-    lengths = sorted(p.length for p in pieces)
-    mean = sum(n * n + linear_cost * n for n in lengths) / replicas
-    if not lengths:
+    """What the costliest replica costs at least, about (``pieces``: longest first): the mean cost,
+    and the longest piece's replica with the rest of its rows in the shortest pieces (cheap to
+    count; cuts may go a little below it, so it only tells the perturbed tries when to stop)."""
+    mean = sum(p.length * p.length + linear_cost * p.length for p in pieces) / replicas
+    if not pieces:
         return mean
-    need, alone = batch_rows * capacity - lengths[-1], row_cost(lengths[-1:], linear_cost)
-    for n in lengths[:-1]:
+    need, alone = batch_rows * capacity - pieces[0].length, row_cost([pieces[0].length], linear_cost)
+    for n in (p.length for p in reversed(pieces[1:])):  # pieces: longest first
         if need <= 0:
             break
         k = min(n, need)
