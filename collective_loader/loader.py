@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -276,7 +275,10 @@ class CollectiveLoader:
         Call it on every rank before ``dist.destroy_process_group()``; at interpreter exit it
         runs by itself. On a rank outside delivery, raises the error its leader failed with, if
         this rank has not raised it from ``next()`` already: a middle stage that never iterates
-        learns of it here.
+        learns of it here. On the process that hosts the job's key-value store (rank 0 in a plain
+        ``env://`` world; under torchrun, its agent, and no rank waits), waits until every rank
+        outside delivery has closed, at most ``timeout`` seconds: they read their leader's steps
+        and errors there.
         """
         _LIVE.discard(self)
         if self._epoch is not None:
@@ -286,8 +288,15 @@ class CollectiveLoader:
                 warnings.warn("the source is still inside a stalled call; it is left open", stacklevel=2)
             else:
                 self._source.close()
+        readers = self.settings.groups.readers
         if not self.in_delivery:
-            self._raise_posted_error()
+            assert readers is not None, "a rank outside delivery is one of the readers"
+            try:
+                self._raise_posted_error()
+            finally:
+                readers.closed(self.place.rank)
+        elif readers is not None:  # this process hosts the store
+            readers.wait_closed()
 
     def _raise_posted_error(self) -> None:
         bulletin = self.settings.groups.bulletin
@@ -317,7 +326,9 @@ class CollectiveLoader:
         self.close()
 
 
-_LIVE: weakref.WeakSet[CollectiveLoader] = weakref.WeakSet()
+# Loaders not closed yet, held until they are (a loader dropped unclosed still has its transfer
+# thread, and on the store's host, ranks outside delivery reading the store): closed at exit.
+_LIVE: set[CollectiveLoader] = set()
 
 
 @atexit.register

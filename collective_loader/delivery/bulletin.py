@@ -13,13 +13,22 @@ for keys: no collective, and it waits for nothing but its own leader.
 
 Keys live under ``collective_loader/<loader id>/<dp_rank>/``. The loader id is the name torch gave
 the loader's control group, the same on every rank and new for every loader.
+
+The store must outlive every read. Under torchrun its agent hosts it, and the agents wait for one
+another before they exit; in a plain ``env://`` (or ``tcp://``) world, rank 0 hosts it, and a
+rank 0 that exits ends every read. So there, rank 0's ``close()`` (also the one that runs at
+interpreter exit) waits until every rank outside delivery has closed its loader
+(:class:`Readers`), at most ``timeout`` seconds. A store that is gone all the same (its host was
+killed) is a :class:`~collective_loader.DeliveryError` that names it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,6 +48,26 @@ def job_store() -> dist.Store:
     """The store ``init_process_group`` rendezvoused through: every rank of the job reaches it.
     torch has no public accessor for it; ``_get_default_store`` is what its own groups use."""
     return dist.distributed_c10d._get_default_store()
+
+
+def hosts_job_store() -> bool:
+    """Whether the job's store lives in this process: rank 0's, unless torchrun's agent hosts it
+    (torch's own rule, ``torch.distributed.rendezvous._create_c10d_store``)."""
+    return dist.get_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+@contextlib.contextmanager
+def reaching_store(what: str) -> Iterator[None]:
+    """Inside, a store that cannot be reached raises :class:`~collective_loader.DeliveryError`
+    naming it and what this rank was doing (``what``), instead of torch's network error."""
+    try:
+        yield
+    except dist.DistNetworkError as e:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise DeliveryError(
+            f"rank {dist.get_rank()} lost the job's key-value store ({where}) while it {what}: {e}. The store is "
+            "hosted by torchrun's agent or, in a plain env:// world, by rank 0: that process has ended"
+        ) from e
 
 
 @dataclass
@@ -69,27 +98,31 @@ class Bulletin:
 
     def post_step(self, epoch: int) -> None:
         """One more step of ``epoch`` delivered."""
-        self.store.add(f"{self.prefix}{epoch}/steps", 1)
+        with reaching_store("posted a delivered step for the ranks outside delivery"):
+            self.store.add(f"{self.prefix}{epoch}/steps", 1)
 
     def post_last(self, epoch: int, kind: Kind, step: int, text: str = "") -> None:
         """``epoch``'s last outcome, at ``step``: its end, or an error (which also stays posted for
         :meth:`error`)."""
         value = f"{int(kind)} {step} {text}"
-        if kind != Kind.END:
-            self.store.set(f"{self.prefix}error", value)
-        self.store.set(f"{self.prefix}{epoch}/last", value)
+        with reaching_store(f"posted its epoch's end at step {step} for the ranks outside delivery"):
+            if kind != Kind.END:
+                self.store.set(f"{self.prefix}error", value)
+            self.store.set(f"{self.prefix}{epoch}/last", value)
 
     def post_state(self, index: int, state: Mapping[str, Any]) -> None:
         """The loader's state at its ``index``-th checkpoint (in the wire format, no pickle)."""
         plan = wire.encode(state)
         buf = torch.empty(wire.HEADER_BYTES + plan.header(Kind.DATA, index).inline_nbytes, dtype=torch.uint8)
         plan.write(buf, Kind.DATA, index)
-        self.store.set(f"{self.prefix}state/{index}", buf.numpy().tobytes())  # type: ignore[arg-type]  # bytes work
-        if index >= 2:  # every reader has read it: a checkpoint is taken at one step on every rank
-            self.store.delete_key(f"{self.prefix}state/{index - 2}")
+        with reaching_store(f"posted its loader state (checkpoint {index}) for the ranks outside delivery"):
+            self.store.set(f"{self.prefix}state/{index}", buf.numpy().tobytes())  # type: ignore[arg-type]  # bytes work
+            if index >= 2:  # every reader has read it: a checkpoint is taken at one step on every rank
+                self.store.delete_key(f"{self.prefix}state/{index - 2}")
 
     def post_config(self, digest: str) -> None:
-        self.store.set(f"{self.prefix}config", digest)
+        with reaching_store("posted its configuration for the ranks outside delivery"):
+            self.store.set(f"{self.prefix}config", digest)
 
     # --- a rank outside delivery ---------------------------------------------------------------
 
@@ -118,9 +151,10 @@ class Bulletin:
     def error(self) -> tuple[Kind, str] | None:
         """The error the leader posted, if any (does not wait)."""
         key = f"{self.prefix}error"
-        if not self.store.check([key]):
-            return None
-        kind, _, text = _parse(self.store.get(key))
+        with reaching_store("read whether its leader failed"):
+            if not self.store.check([key]):
+                return None
+            kind, _, text = _parse(self.store.get(key))
         return kind, text
 
     def read_state(self, index: int) -> dict[str, Any]:
@@ -138,8 +172,10 @@ class Bulletin:
                 raise kind.error(f"rank {dist.get_rank()} (outside delivery) waited for its loader state: {text}")
             return None
 
-        self._poll(posted, f"post its loader state (checkpoint {index})")
-        raw = self.store.get(key)
+        what = f"post its loader state (checkpoint {index})"
+        self._poll(posted, what)
+        with reaching_store(f"waited for its leader to {what}"):
+            raw = self.store.get(key)
         buf = torch.empty(len(raw), dtype=torch.uint8)
         buf.numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
         header = wire.Header.read(buf, len(raw))
@@ -147,31 +183,89 @@ class Bulletin:
         return wire.decode(payload, header.meta_nbytes).batch(payload)
 
     def _poll(self, ready: Callable[[], T | None], what: str) -> T:
-        """``ready()``'s first answer that is not None, asked with a growing pause (the leader is
-        usually ahead: the first ask answers); DeliveryError after ``timeout`` seconds."""
-        deadline = time.monotonic() + self.timeout
-        pause = POLL_FIRST
-        while (answer := ready()) is None:
-            if time.monotonic() > deadline:
-                raise DeliveryError(
-                    f"rank {dist.get_rank()} (outside delivery) waited {self.timeout:.0f}s for its leader to "
-                    f"{what} (timeout={self.timeout}s)"
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_MOST)
-        return answer
+        def timed_out() -> DeliveryError:
+            return DeliveryError(
+                f"rank {dist.get_rank()} (outside delivery) waited {self.timeout:.0f}s for its leader to {what} "
+                f"(timeout={self.timeout}s)"
+            )
+
+        return _poll(ready, self.timeout, f"waited for its leader to {what}", timed_out)
 
     def read_config(self) -> str:
         """The leader's configuration digest (waits for it: posted at construction)."""
         key = f"{self.prefix}config"
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as e:  # torch raises DistStoreError, a RuntimeError, on a timeout
-            raise DeliveryError(
-                f"rank {dist.get_rank()} (outside delivery) waited {self.timeout:.0f}s for its leader to post "
-                f"its configuration (timeout={self.timeout}s): {e}"
-            ) from e
-        return self.store.get(key).decode()
+        with reaching_store("waited for its leader to post its configuration"):
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=self.timeout))
+            except dist.DistStoreError as e:  # a timeout
+                raise DeliveryError(
+                    f"rank {dist.get_rank()} (outside delivery) waited {self.timeout:.0f}s for its leader to post "
+                    f"its configuration (timeout={self.timeout}s): {e}"
+                ) from e
+            return self.store.get(key).decode()
+
+
+@dataclass
+class Readers:
+    """The ranks outside delivery, as the job's store host sees them: it must not exit before
+    they are done reading their bulletins.
+
+    Example (a loader whose ranks 2 and 3 are outside delivery)::
+
+        readers = Readers.open(loader_id, (2, 3), timeout=600.0)
+        readers.closed(2)      # on rank 2, at its close()
+        readers.wait_closed()  # on the store's host, at its close(): waits for rank 3 too
+    """
+
+    store: dist.Store
+    prefix: str
+    ranks: tuple[int, ...]
+    timeout: float
+
+    @classmethod
+    def open(cls, loader_id: str, ranks: Sequence[int], timeout: float) -> Readers:
+        return cls(job_store(), f"collective_loader/{loader_id}/closed/", tuple(ranks), timeout)
+
+    def closed(self, rank: int) -> None:
+        """``rank`` has read all it will read."""
+        with reaching_store("closed its loader"):
+            self.store.set(f"{self.prefix}{rank}", "")
+
+    def wait_closed(self) -> None:
+        """Wait until every rank outside delivery has closed its loader (or exited: the loader
+        closes at interpreter exit); :class:`~collective_loader.DeliveryError` naming the others
+        after ``timeout`` seconds."""
+        waiting = list(self.ranks)
+
+        def all_closed() -> bool | None:
+            waiting[:] = [r for r in waiting if not self.store.check([f"{self.prefix}{r}"])]
+            return True if not waiting else None
+
+        def timed_out() -> DeliveryError:
+            return DeliveryError(
+                f"rank {dist.get_rank()} hosts the job's key-value store, which ranks {waiting} (outside delivery) "
+                f"read their leader's steps from, and waited {self.timeout:.0f}s for them to close their loader "
+                f"(timeout={self.timeout}s): they are stuck or dead; exiting now ends their reads"
+            )
+
+        _poll(all_closed, self.timeout, "waited for the ranks outside delivery to close their loader", timed_out)
+
+
+def _poll(ready: Callable[[], T | None], timeout: float, doing: str, timed_out: Callable[[], Exception]) -> T:
+    """``ready()``'s first answer that is not None, asked with a growing pause (usually the first
+    ask answers); ``timed_out()`` raised after ``timeout`` seconds. ``doing``: what this rank is
+    doing, for the error if the store is gone."""
+    deadline = time.monotonic() + timeout
+    pause = POLL_FIRST
+    while True:
+        with reaching_store(doing):
+            answer = ready()
+        if answer is not None:
+            return answer
+        if time.monotonic() > deadline:
+            raise timed_out()
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MOST)
 
 
 def _parse(value: bytes) -> tuple[Kind, int, str]:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from collective_loader.delivery.buffers import BufferPool
-from collective_loader.delivery.bulletin import Bulletin
+from collective_loader.delivery.bulletin import Bulletin, Readers, hosts_job_store
 from collective_loader.plan import wire
 from collective_loader.plan.mesh import MeshLayout, Place
 from collective_loader.plan.wire import Header, Kind
@@ -250,6 +250,7 @@ class Groups:
     channels: dict[str, Channel]  # this rank's delivery groups by name (first / last / middle)
     replica: Channel | None  # gloo, the replica's ranks in delivery: the leader shares the loader's state
     bulletin: Bulletin | None  # the replica's ranks outside delivery read it, its leader posts on it
+    readers: Readers | None  # every rank outside delivery, on them and on the job store's host
     count: int  # groups created by every rank
 
     @property
@@ -304,11 +305,14 @@ def build_groups(
     channels: dict[str, Channel] = {}
     mine: Channel | None = None
     bulletin: Bulletin | None = None
+    outside_ranks: list[int] = []
     warm: list[tuple[dist.ProcessGroup, int]] = []
     for replica in layout.replica_groups():
         destinations = [(name, ranks) for name, ranks in replica.all() if name != "middle" or middle_data]
         delivered = tuple(sorted({rank for _, ranks in destinations for rank in ranks}))
         outside = replica.middle is not None and not middle_data
+        if outside:
+            outside_ranks += [rank for rank in replica.middle or () if rank not in delivered]
         if outside and place.dp_rank == replica.dp_rank and (place.is_leader or place.rank not in delivered):
             bulletin = Bulletin.open(control.group_name, replica.dp_rank, timeout)
         group = make(delivered, "gloo", f"replica{replica.dp_rank}")
@@ -326,4 +330,7 @@ def build_groups(
                 channels[name] = Channel(name, ranks, replica.leader, group, scatter, pool, data_group)
     for group, leader in warm:
         dist.broadcast(torch.zeros(1, device=device), src=leader, group=group)
-    return Groups(control, leaders, channels, mine, bulletin, count)
+    readers = None
+    if outside_ranks and (place.rank in outside_ranks or hosts_job_store()):
+        readers = Readers.open(control.group_name, sorted(outside_ranks), timeout)
+    return Groups(control, leaders, channels, mine, bulletin, readers, count)
