@@ -12,12 +12,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
+from plain_world import run_plain_world
 
 RANK_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "support", "plain_env_rank.py")
 STEPS = 6  # plain_env_rank.STEPS
@@ -25,42 +22,13 @@ STEPS = 6  # plain_env_rank.STEPS
 ESCAPED = "torch.distributed.DistNetworkError"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_plain_world(pp: int, dp: int, *args: str, timeout: float = 120.0) -> list[tuple[int, dict | None, str]]:
-    """``(exit code, JSON line or None, stderr)`` per rank of a world of ``pp * dp`` ranks,
-    each a process of its own started with the environment ``env://`` reads. Past ``timeout``
-    seconds every rank is killed and the test fails."""
-    size, port = pp * dp, _free_port()
-    procs = []
-    for rank in range(size):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
-        env.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size))
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        cmd = [sys.executable, RANK_SCRIPT, "--pp", str(pp), "--dp", str(dp), *args]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-            )
-        )
-    deadline = time.monotonic() + timeout
+def run_world(pp: int, dp: int, *args: str) -> list[tuple[int, dict | None, str]]:
+    """``(exit code, JSON line or None, stderr)`` per rank of a plain env:// world of ``pp * dp``."""
+    ends = run_plain_world(RANK_SCRIPT, pp * dp, ["--pp", str(pp), "--dp", str(dp), *args], timeout=120.0)
     results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            lines = [line for line in out.splitlines() if line.startswith("{")]
-            results.append((p.returncode, json.loads(lines[-1]) if lines else None, err))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a world of {size} ranks did not end within {timeout}s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+    for end in ends:
+        lines = [line for line in end.out.splitlines() if line.startswith("{")]
+        results.append((end.code, json.loads(lines[-1]) if lines else None, end.err))
     return results
 
 
@@ -77,7 +45,7 @@ def _check_clean_end(results: list[tuple[int, dict | None, str]]) -> None:
     ("pp", "dp", "middle"), [(3, 2, "iterate"), (4, 1, "never")], ids=["pp3xdp2-iterate", "pp4-never"]
 )
 def test_middle_stages_end_their_epoch_after_rank_0_is_done(pp, dp, middle):
-    results = run_plain_world(pp, dp, "--middle", middle)
+    results = run_world(pp, dp, "--middle", middle)
     _check_clean_end(results)
     outside = [out for _, out, _ in results if not out["in_delivery"]]
     assert outside, results  # the layout has ranks outside delivery
@@ -88,7 +56,7 @@ def test_middle_stages_end_their_epoch_after_rank_0_is_done(pp, dp, middle):
 def test_a_failing_leader_on_rank_0_reaches_the_middle_stages(middle):
     """Rank 0's source fails at step 2 and rank 0 exits: its middle stages get its error (from
     ``next()`` or at ``close()``), not the store's disconnection."""
-    results = run_plain_world(3, 1, "--middle", middle, "--fail-at", "2")
+    results = run_world(3, 1, "--middle", middle, "--fail-at", "2")
     for rank, (code, out, err) in enumerate(results):
         assert ESCAPED not in err, (rank, err[-3000:])
         assert out is not None and out["error"] is not None, (rank, code, err[-3000:])
@@ -99,7 +67,7 @@ def test_a_failing_leader_on_rank_0_reaches_the_middle_stages(middle):
 def test_a_killed_store_host_is_named_on_the_middle_stages():
     """Rank 0 is killed after 2 steps: the iterating middle stage ends with ``DeliveryError``
     naming the job's store, within the loader's timeout."""
-    results = run_plain_world(3, 1, "--middle", "iterate", "--kill-at", "2", "--timeout", "20")
+    results = run_world(3, 1, "--middle", "iterate", "--kill-at", "2", "--timeout", "20")
     assert results[0][0] == -signal.SIGKILL
     code, out, err = results[1]  # the middle stage
     assert out is not None and out["error"] is not None, (code, err[-3000:])
@@ -114,4 +82,4 @@ def test_a_killed_store_host_is_named_on_the_middle_stages():
 )
 def test_twenty_runs_each(pp, dp, middle):
     for _ in range(20):
-        _check_clean_end(run_plain_world(pp, dp, "--middle", middle))
+        _check_clean_end(run_world(pp, dp, "--middle", middle))
