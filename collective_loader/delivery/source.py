@@ -118,13 +118,29 @@ def build_source(source: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Map
     return as_source(source)
 
 
+# The members only a Source has: an iterable with some of them was meant as one, and adapting
+# it would silently ignore them (its resume, its elastic state).
+_SOURCE_ONLY = ("elastic", "resume", "checkpoint_state", "stop", "stats")
+_MEMBERS = ("__iter__", "state_dict", *_SOURCE_ONLY, "close")
+
+
 def as_source(source: Iterable[Mapping[str, Any]]) -> Source:
     """``source`` itself if it is a :class:`Source`, else an :class:`IterableSource` around it.
+    ``TypeError`` naming what it lacks for one that has only part of the protocol.
 
     >>> as_source([{"x": 1}]).state_dict() is None
     True
     """
-    return source if isinstance(source, Source) else IterableSource(source)
+    if isinstance(source, Source):
+        return source
+    if any(hasattr(source, name) for name in _SOURCE_ONLY):
+        has = [name for name in _MEMBERS if hasattr(source, name)]
+        missing = [name for name in _MEMBERS if name not in has]
+        raise TypeError(
+            f"{type(source).__qualname__} has {', '.join(has)} of the Source protocol but not {', '.join(missing)}: "
+            "give it every member of collective_loader.Source, or none of its own (a plain iterable, adapted)"
+        )
+    return IterableSource(source)
 
 
 class IterableSource:

@@ -37,6 +37,19 @@ def data(tmp_path_factory):
     return out
 
 
+class _PartialSource:
+    """Meant as a Source, but with ``resume`` and none of the rest of what only a Source has."""
+
+    def __iter__(self):
+        return iter([])
+
+    def resume(self, state, steps):
+        pass
+
+    def close(self):
+        pass
+
+
 def build(phase: str, data: str) -> dict:
     mesh = ranks.make_mesh(*MESH)
     me = dist.get_rank()
@@ -54,6 +67,9 @@ def build(phase: str, data: str) -> dict:
             config = LoaderConfig(inputs=INPUTS, labels=LABELS, timeout=TIMEOUT)
             options = {"prefetch": 2} if me == FAILING else {}
             CollectiveLoader(lambda: [], mesh, config, **options)
+        elif phase == "partial":  # one leader's source has part of the Source protocol only
+            source = _PartialSource if me == FAILING else (lambda: [])
+            CollectiveLoader(source, mesh, inputs=INPUTS, labels=LABELS, timeout=TIMEOUT)
         elif phase == "source":
 
             def source():
@@ -83,6 +99,11 @@ def build(phase: str, data: str) -> dict:
         ("option", ConstructionError, f"rank {FAILING} could not build CollectiveLoader: TypeError: "),
         ("config", ConstructionError, "give a LoaderConfig or its fields as keywords, not both"),
         ("source", LeaderError, f"leader rank {FAILING} could not build its source: OSError: no such bucket"),
+        (
+            "partial",
+            LeaderError,
+            "_PartialSource has __iter__, resume, close of the Source protocol but not state_dict",
+        ),
         ("dataset", LeaderError, f"leader rank {FAILING} failed while the leaders built their datasets"),
     ],
 )

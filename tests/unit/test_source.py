@@ -114,3 +114,26 @@ def test_a_source_is_kept_as_it_is_and_the_streams_are_sources():
     for kind in (SampleStream, PackedStream, BalancedStream):
         assert all(hasattr(kind, m) for m in members), kind
     assert not isinstance([], Source)
+
+
+class _Partial:
+    """A source that forgot ``resume``, ``checkpoint_state`` and ``stats``."""
+
+    elastic = True
+
+    def __iter__(self):
+        yield {"x": 1}
+
+    def state_dict(self):
+        return {"at": 1}
+
+    def stop(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_partial_source_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"_Partial has .*elastic.* but not resume, checkpoint_state, stats"):
+        build_source(_Partial)
