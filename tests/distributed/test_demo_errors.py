@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -57,7 +56,6 @@ def data(tmp_path_factory):
 def refused(*args: str, env: dict[str, str] | None = None) -> str:
     """Run the demo with ``args``; assert the refusal's form (exit 2, one line, quickly, no rank
     started) and return its message."""
-    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "collective_loader", "demo", *args],
         capture_output=True,
@@ -69,7 +67,6 @@ def refused(*args: str, env: dict[str, str] | None = None) -> str:
     assert proc.stdout == "", proc.stdout  # a world prints its ranks' log lines; none started
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(PROG), proc.stderr
-    assert time.monotonic() - start < SECONDS
     return lines[0][len(PROG) :]
 
 

@@ -246,13 +246,17 @@ def _demo_params() -> list:
     return params
 
 
-@pytest.mark.timeout(DEMO_TIMEOUT + TERM_GRACE + 30)
-@pytest.mark.parametrize("demo", _demo_params())
-def test_shown_demo_command_passes(demo: Demo | str, tmp_path: Path) -> None:
-    if isinstance(demo, str):
-        pytest.fail(demo)
-    code, out = run(demo.argv, tmp_path, DEMO_TIMEOUT)
-    assert code == 0 and "all checks passed" in out, f"{demo.where}: {demo.shown} exited {code}:\n{out[-6000:]}"
+DEMO_PARAMS = _demo_params()
+
+if DEMO_PARAMS:  # today test_demo runs every shown command; an empty set would collect a skipped test
+
+    @pytest.mark.timeout(DEMO_TIMEOUT + TERM_GRACE + 30)
+    @pytest.mark.parametrize("demo", DEMO_PARAMS)
+    def test_shown_demo_command_passes(demo: Demo | str, tmp_path: Path) -> None:
+        if isinstance(demo, str):
+            pytest.fail(demo)
+        code, out = run(demo.argv, tmp_path, DEMO_TIMEOUT)
+        assert code == 0 and "all checks passed" in out, f"{demo.where}: {demo.shown} exited {code}:\n{out[-6000:]}"
 
 
 def test_test_demo_runs_only_commands_the_docs_show() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import time
+import threading
 
 import ranks
 import torch.distributed as dist
@@ -24,11 +24,24 @@ class Records(logging.Handler):
         self.lines.append((record.levelname, record.getMessage()))
 
 
-def slow_then_fast(delay: float):
-    """Two batches, the first after ``delay`` seconds."""
+class SlowSourceWarned(logging.Handler):
+    """Sets ``event`` when a leader warns that its source is slow; prints nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "has not returned step 0" in record.getMessage():
+            self.event.set()
+
+
+def slow_until_warned(warned: threading.Event):
+    """Two batches, the first once the leader has warned that it is slow (no timing window: the
+    stall error comes 0.375 x timeout after the warning)."""
 
     def batches():
-        time.sleep(delay)
+        assert warned.wait(60), "no slow-source warning within 60 s"
         yield ranks.sample_batch([0, 1], 8)
         yield ranks.sample_batch([2, 3], 8)
 
@@ -36,23 +49,26 @@ def slow_then_fast(delay: float):
 
 
 def run_loader(configured: bool) -> dict:
-    """One epoch on pp=2 x dp=2 (leaders 0 and 3) whose first batch takes 2 s with a 3 s timeout
-    (a stall is reported after 2.25 s, a slow source logged after half of that); with logging
-    configured (a handler at DEBUG on the library's logger) or not at all."""
+    """One epoch on pp=2 x dp=2 (leaders 0 and 3) whose first batch waits until its leader logs
+    it as slow (after half the stall time: 3 s, with an 8 s timeout); with logging configured (a
+    handler at DEBUG on the library's logger) or not at all."""
     logger = logging.getLogger("collective_loader")
     records = Records()
+    warned = SlowSourceWarned()
     stderr = io.StringIO()
+    logger.addHandler(warned)
     if configured:
         logger.addHandler(records)
         logger.setLevel(logging.DEBUG)
     try:
         with contextlib.redirect_stderr(stderr):
             mesh = ranks.make_mesh(("pp", "dp"), (2, 2))
-            loader = CollectiveLoader(slow_then_fast(2.0), mesh, **ranks.KEYS, timeout=3.0)
+            loader = CollectiveLoader(slow_until_warned(warned.event), mesh, **ranks.KEYS, timeout=8.0)
             steps = sum(1 for _ in loader)
             loader.close()
     finally:
         logger.removeHandler(records)
+        logger.removeHandler(warned)
         logger.setLevel(logging.NOTSET)
     return {"rank": dist.get_rank(), "steps": steps, "lines": records.lines, "stderr": stderr.getvalue()}
 

@@ -10,7 +10,6 @@ for both transports. :class:`Prefetcher` is checked without any process group.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import ranks
@@ -110,27 +109,29 @@ def test_steps_by_hand(worlds, transport, delivery):
 # --- the transfer thread, without collectives -----------------------------------------------
 
 
-def _recording(calls: list[int], last: int, delay: float = 0.0):
+def _recording(calls: list[int], last: int):
     def step(n: int) -> int:
         calls.append(n)
-        time.sleep(delay)
         return n
 
     return step, (lambda item: item >= last)
 
 
 def test_lead_is_bounded_by_what_was_taken():
+    """``close()`` lets the thread run the steps already granted and nothing beyond, so what it
+    ran by then is exactly what the lead allows (no sleep: the join is the synchronisation)."""
     calls: list[int] = []
     step, is_last = _recording(calls, last=100)
     p = Prefetcher(step, lead=3, is_last=is_last, on_error=repr, name="t")
-    time.sleep(0.2)
-    assert calls == [0, 1, 2]  # three credits, no more
-    assert [p.take(), p.take()] == [0, 1]
-    time.sleep(0.2)
-    assert calls == [0, 1, 2, 3, 4]
     p.close(wait=5)
     assert not p.alive()
-    assert calls == [0, 1, 2, 3, 4]  # close runs what was granted, nothing beyond
+    assert calls == [0, 1, 2]  # the lead: three steps before anything is taken, no more
+    calls.clear()
+    p = Prefetcher(step, lead=3, is_last=is_last, on_error=repr, name="t")
+    assert [p.take(), p.take()] == [0, 1]
+    p.close(wait=5)
+    assert not p.alive()
+    assert calls == [0, 1, 2, 3, 4]  # two taken: two steps more, nothing beyond
 
 
 def test_the_last_item_and_an_error_end_the_thread():

@@ -34,4 +34,3 @@ def test_a_65536_rank_mesh_builds_on_a_last_stage_leader():
     member = dict(built["member_of"])
     assert member["collective_loader:control"] == 65536 and member["collective_loader:leaders"] == 512
     assert member["collective_loader:first511"] == 9 and member["collective_loader:last511"] == 8
-    assert built["seconds"] < 2.0  # 0.1 s here; the bound for 16k ranks, with room for a loaded machine
