@@ -17,10 +17,12 @@ import torch.distributed as dist
 
 from collective_loader.delivery.config import usable_timeout
 from collective_loader.delivery.transport import Groups, new_group
+from collective_loader.errors import BatchError
+from collective_loader.plan import wire
 from collective_loader.plan.wire import Kind
 
 T = TypeVar("T")
-MESSAGE_BYTES = 4096  # fixed size of an error message exchanged between ranks
+MESSAGE_BYTES = 4096  # fixed size of an agreement message (a wire message, zero-padded)
 
 
 def control_group(timeout: Any) -> dist.ProcessGroup:
@@ -37,19 +39,21 @@ def control_group(timeout: Any) -> dist.ProcessGroup:
     return group
 
 
-def encode_message(text: str) -> torch.Tensor:
-    data = text.encode()[: MESSAGE_BYTES - 8]
-    out = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
-    out[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    if data:
-        out[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return out
+def encode_message(kind: Kind, text: str) -> torch.Tensor:
+    """``text`` as a wire message of ``kind`` in ``MESSAGE_BYTES`` (cut to fit), the fixed size a
+    receiver allocates before it knows the text."""
+    while True:
+        try:
+            return wire.message({"message": text}, kind, nbytes=MESSAGE_BYTES)
+        except BatchError:
+            text = text[: len(text) * 3 // 4]
 
 
-def decode_message(buf: torch.Tensor) -> str:
-    n = int(buf[:8].view(torch.int64))
-    n = max(0, min(n, MESSAGE_BYTES - 8))
-    return bytes(buf[8 : 8 + n].numpy()).decode(errors="replace")
+def decode_message(buf: torch.Tensor) -> tuple[Kind, str]:
+    """The kind and text of an :func:`encode_message` received as ``buf``; :class:`WireError` for
+    anything else (nothing received is evaluated)."""
+    header, text = wire.read_text(buf)
+    return header.kind, text
 
 
 def agree_outcome(group: dist.ProcessGroup, kind: Kind, message: str) -> tuple[Kind, str, int]:
@@ -68,10 +72,10 @@ def agree_outcome(group: dist.ProcessGroup, kind: Kind, message: str) -> tuple[K
     if not any_failed:
         return (Kind.END if any_end else Kind.DATA), "", -1
     origin = -lowest
-    buf = encode_message(f"{int(kind)}:{message}") if me == origin else torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+    buf = encode_message(kind, message) if me == origin else torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
     dist.broadcast(buf, src=origin, group=group)
-    code, _, text = decode_message(buf).partition(":")
-    return Kind(int(code)), text, origin
+    kind, text = decode_message(buf)
+    return kind, text, origin
 
 
 def run_phase(group: dist.ProcessGroup, fn: Callable[[], T], error: Callable[[int, str], Exception]) -> T:
@@ -133,6 +137,10 @@ def first_difference(groups: Groups, reference: int, text: str) -> tuple[int, st
     kind, other, origin = agree_outcome(groups.control, Kind.PHASE_ERROR if differs else Kind.DATA, text)
     if kind == Kind.DATA:
         return None
-    ref = encode_message(text) if dist.get_rank() == reference else torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+    ref = (
+        encode_message(Kind.DATA, text)
+        if dist.get_rank() == reference
+        else torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+    )
     dist.broadcast(ref, src=reference, group=groups.control)
-    return origin, decode_message(ref), other
+    return origin, decode_message(ref)[1], other

@@ -32,11 +32,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from collective_loader.errors import DeliveryError, WireError
+from collective_loader.errors import DeliveryError
 from collective_loader.plan import wire
 from collective_loader.plan.wire import Kind
 
@@ -104,7 +103,7 @@ class Bulletin:
     def post_last(self, epoch: int, kind: Kind, step: int, text: str = "") -> None:
         """``epoch``'s last outcome, at ``step``: its end, or an error (which also stays posted for
         :meth:`error`)."""
-        value = f"{int(kind)} {step} {text}"
+        value = _bytes(wire.message({"message": text}, kind, step))
         with reaching_store(f"posted its epoch's end at step {step} for the ranks outside delivery"):
             if kind != Kind.END:
                 self.store.set(f"{self.prefix}error", value)
@@ -112,11 +111,9 @@ class Bulletin:
 
     def post_state(self, index: int, state: Mapping[str, Any]) -> None:
         """The loader's state at its ``index``-th checkpoint (in the wire format, no pickle)."""
-        plan = wire.encode(state)
-        buf = torch.empty(wire.HEADER_BYTES + plan.header(Kind.DATA, index).inline_nbytes, dtype=torch.uint8)
-        plan.write(buf, Kind.DATA, index)
+        buf = _bytes(wire.message(state, Kind.DATA, index))
         with reaching_store(f"posted its loader state (checkpoint {index}) for the ranks outside delivery"):
-            self.store.set(f"{self.prefix}state/{index}", buf.numpy().tobytes())  # type: ignore[arg-type]  # bytes work
+            self.store.set(f"{self.prefix}state/{index}", buf)
             if index >= 2:  # every reader has read it: a checkpoint is taken at one step on every rank
                 self.store.delete_key(f"{self.prefix}state/{index - 2}")
 
@@ -176,11 +173,7 @@ class Bulletin:
         self._poll(posted, what)
         with reaching_store(f"waited for its leader to {what}"):
             raw = self.store.get(key)
-        buf = torch.empty(len(raw), dtype=torch.uint8)
-        buf.numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
-        header = wire.Header.read(buf, len(raw))
-        payload = buf[wire.HEADER_BYTES : wire.HEADER_BYTES + header.payload_nbytes]
-        return wire.decode(payload, header.meta_nbytes).batch(payload)
+        return wire.read_message(_tensor(raw), len(raw))[1]
 
     def _poll(self, ready: Callable[[], T | None], what: str) -> T:
         def timed_out() -> DeliveryError:
@@ -269,8 +262,15 @@ def _poll(ready: Callable[[], T | None], timeout: float, doing: str, timed_out: 
 
 
 def _parse(value: bytes) -> tuple[Kind, int, str]:
-    try:
-        kind, step, text = value.decode().split(" ", 2)
-        return Kind(int(kind)), int(step), text
-    except ValueError as e:
-        raise WireError(f"a bulletin entry does not decode: {value[:100]!r}") from e
+    """An entry :meth:`Bulletin.post_last` wrote: ``(kind, step, text)``."""
+    header, text = wire.read_text(_tensor(value))
+    return header.kind, header.step, text
+
+
+def _bytes(message: torch.Tensor) -> Any:
+    """A message as the store takes it (torch's stub says ``str``; ``bytes`` work)."""
+    return message.numpy().tobytes()
+
+
+def _tensor(value: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(value), dtype=torch.uint8)

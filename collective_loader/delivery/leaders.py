@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from collective_loader.delivery.transport import new_group
 from collective_loader.errors import LeaderError
+from collective_loader.plan import wire
+from collective_loader.plan.wire import Kind
 
 Local = TypeVar("Local")
 
@@ -32,7 +34,7 @@ class LeaderGroup:
 
         leaders = LeaderGroup.build(layout.leaders(), timeout=600.0, name="streaming_leaders")
         if place.is_leader:
-            states = leaders.gather(my_state)   # one entry per leader, in dp_rank order
+            steps = leaders.gather(my_step)   # one entry per leader, in dp_rank order
     """
 
     def __init__(self, group: dist.ProcessGroup | None, first_replica: int = 0) -> None:
@@ -51,31 +53,46 @@ class LeaderGroup:
         return 0 if self.group is None else dist.get_rank(self.group)
 
     def gather(self, value: Any) -> list[Any]:
-        """Every leader's ``value`` (picklable), in leader order, on every leader."""
-        if self.group is None:
-            return [value]
-        out: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, value, group=self.group)
-        return out
+        """Every leader's ``value``, in leader order, on every leader: anything a batch holds (a
+        tensor, a mapping, a list or plain value; tuples come back as lists), sent as a wire
+        message (:func:`~collective_loader.plan.wire.message`: no pickle, nothing received is
+        evaluated). Two all-gathers: the sizes, then the messages."""
+        return [batch["value"] for _, batch in self._gather(wire.message({"value": value}))]
 
     def agree(self, compute: Callable[[], tuple[Local, Any]], what: str) -> tuple[Local, list[Any]]:
         """``compute()`` gives ``(local, shared)``: returns ``local`` and every leader's
-        ``shared`` (picklable), in leader order, on every leader (one :meth:`gather`). When
-        ``compute`` raises on a leader, that leader raises it after telling the others, which raise
-        :class:`~collective_loader.errors.LeaderError` naming it and ``what`` they were doing
-        (the others would otherwise wait in the gather until its timeout)."""
+        ``shared`` (as :meth:`gather` takes it), in leader order, on every leader (one gather).
+        When ``compute`` raises on a leader, that leader raises it after telling the others
+        (its message's kind is an error), which raise :class:`~collective_loader.errors.LeaderError`
+        naming it and ``what`` they were doing (the others would otherwise wait in the gather
+        until its timeout)."""
         try:
             local, shared = compute()
         except Exception as e:
-            self.gather(("error", f"{type(e).__name__}: {e}"))
+            self._gather(wire.message({"message": f"{type(e).__name__}: {e}"}, Kind.SOURCE_ERROR))
             raise
-        heard = self.gather(("ok", shared))
-        for j, (kind, value) in enumerate(heard):
-            if kind == "error":
+        heard = self._gather(wire.message({"value": shared}))
+        for j, (header, batch) in enumerate(heard):
+            if header.kind != Kind.DATA:
                 raise LeaderError(
-                    f"the leader of replica {self.first_replica + j} failed while the leaders {what}: {value}"
+                    f"the leader of replica {self.first_replica + j} failed while the leaders {what}: {batch['message']}"
                 )
-        return local, [value for _, value in heard]
+        return local, [batch["value"] for _, batch in heard]
+
+    def _gather(self, message: torch.Tensor) -> list[tuple[wire.Header, dict[str, Any]]]:
+        """Every leader's wire ``message``, read (:class:`~collective_loader.errors.WireError`
+        for one that is not a message), in leader order."""
+        if self.group is None:
+            return [wire.read_message(message)]
+        n = dist.get_world_size(self.group)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        dist.all_gather(sizes, torch.tensor([message.numel()]), group=self.group)
+        longest = max(int(size) for size in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: message.numel()] = message
+        heard = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+        dist.all_gather(heard, padded, group=self.group)
+        return [wire.read_message(buf[: int(size)], longest) for buf, size in zip(heard, sizes)]
 
     def exchange(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
         """Every leader sends ``send_counts[j]`` elements of ``send`` (1-D, in leader order) to

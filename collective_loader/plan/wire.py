@@ -133,18 +133,6 @@ class Header:
         words = (MAGIC, VERSION, int(self.kind), self.step, self.payload_nbytes, self.meta_nbytes, self.apart_nbytes)
         return words + (0,) * (HEADER_WORDS - len(words))
 
-    def encode(self) -> torch.Tensor:
-        """The header as an int64 tensor of ``HEADER_WORDS`` words."""
-        return torch.tensor(self.words(), dtype=torch.int64)
-
-    @classmethod
-    def decode(cls, words: torch.Tensor, max_payload_bytes: int) -> Header:
-        """Check and decode a received header (``HEADER_WORDS`` int64 words); raise
-        :class:`WireError` if anything is off."""
-        if words.dtype != torch.int64 or words.dim() != 1 or words.numel() != HEADER_WORDS:
-            raise WireError(f"header must be {HEADER_WORDS} int64 words, got {words.numel()} {words.dtype}")
-        return cls.read(words.cpu().contiguous().view(torch.uint8), max_payload_bytes)
-
     @classmethod
     def read(cls, message: torch.Tensor, max_payload_bytes: int) -> Header:
         """Check and decode the header a received message starts with (uint8, CPU, at least
@@ -230,6 +218,47 @@ class Encoded:
 
 
 NOTHING = Encoded(b"", [], 0)  # the payload of a message that is its header alone
+
+
+def message(batch: Mapping[str, Any], kind: Kind = Kind.DATA, step: int = 0, nbytes: int | None = None) -> torch.Tensor:
+    """``batch`` as one whole message (header and payload, every tensor copied in), for what ranks
+    tell each other outside the delivery steps: the leaders' gathers, agreements, the bulletin.
+    ``nbytes``: the buffer's fixed size (zero-padded), for a receiver that cannot learn the size
+    first; a message that does not fit raises :class:`BatchError`.
+
+    >>> header, batch = read_message(message({"message": "disk on fire"}, Kind.SOURCE_ERROR, step=3))
+    >>> header.kind.name, header.step, batch
+    ('SOURCE_ERROR', 3, {'message': 'disk on fire'})
+    """
+    encoded = encode(batch)
+    size = HEADER_BYTES + encoded.nbytes
+    if nbytes is not None and size > nbytes:
+        raise BatchError(f"a message of {size} bytes does not fit the {nbytes} bytes it is given")
+    out = torch.zeros(size if nbytes is None else nbytes, dtype=torch.uint8)
+    encoded.write(out, kind, step)
+    return out
+
+
+def read_message(buf: torch.Tensor, max_payload_bytes: int = MAX_META_BYTES) -> tuple[Header, dict[str, Any]]:
+    """The header and batch of a :func:`message` received as ``buf`` (uint8, CPU; may be longer);
+    :class:`WireError` for anything that is not one. Tensors are views of ``buf``."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < HEADER_BYTES:
+        raise WireError(f"a message is at least {HEADER_BYTES} bytes of uint8, got {buf.dtype} {tuple(buf.shape)}")
+    header = Header.read(buf, min(max_payload_bytes, buf.numel() - HEADER_BYTES))
+    if header.apart_nbytes:
+        raise WireError("a whole message has no bytes apart")
+    payload = buf[HEADER_BYTES : HEADER_BYTES + header.payload_nbytes]
+    return header, decode(payload, header.meta_nbytes).batch(payload)
+
+
+def read_text(buf: torch.Tensor) -> tuple[Header, str]:
+    """The header and text of a ``message({"message": text}, ...)`` received as ``buf`` (an
+    error or an agreement's outcome); :class:`WireError` for anything else."""
+    header, batch = read_message(buf)
+    text = batch.get("message")
+    if not isinstance(text, str):
+        raise WireError(f"a message that should carry a text carries {sorted(batch)}")
+    return header, text
 
 
 def _check_value(value: Any, path: str, depth: int) -> None:

@@ -216,7 +216,9 @@ class PackedStream:
             raise RuntimeError("the packing state is of an earlier epoch than the one this leader is in")
         cursor = Cursor(*snapshot["packing"]["cursor"])
         first = min(self.data.leaders.gather(cursor.step))
-        parts = self.data.leaders.gather(rows.log.hand_over(rows.dp_rank, cursor, first))
+        passed, matched = rows.log.hand_over(rows.dp_rank, cursor, first)
+        heard = self.data.leaders.gather({"passed": torch.from_numpy(passed), "matched": torch.from_numpy(matched)})
+        parts = [(part["passed"].numpy(), part["matched"].numpy()) for part in heard]
         entries = combine(parts, rows.resumed, first)
         rows.log.prune(first)
         out = {k: v for k, v in snapshot.items() if k != "packing"}

@@ -8,8 +8,6 @@ next collective (a group creation, a barrier) until a timeout or forever.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ranks
 import torch.distributed as dist
@@ -26,7 +24,6 @@ from collective_loader.testing.data import INPUTS, LABELS, write_dataset
 
 MESH = (("dp", "tp"), (2, 2))
 FAILING = 2  # the rank (the second replica's leader) whose phase fails
-FAST = 20.0  # seconds: the others hear at once, not after the timeout
 TIMEOUT = 60.0
 
 
@@ -54,7 +51,6 @@ def build(phase: str, data: str) -> dict:
     mesh = ranks.make_mesh(*MESH)
     me = dist.get_rank()
     dp = mesh_place(mesh, me).dp_rank
-    start = time.monotonic()
     try:
         if phase == "arguments":
             CollectiveLoader(
@@ -84,7 +80,7 @@ def build(phase: str, data: str) -> dict:
             source = StreamingSource(mesh, batch_size=2, timeout=TIMEOUT, **broken)
             CollectiveLoader(source, mesh, inputs=INPUTS, labels=LABELS, timeout=TIMEOUT)
     except Exception as e:
-        return {"rank": me, "dp": dp, "error": type(e).__name__, "message": str(e), "after": time.monotonic() - start}
+        return {"rank": me, "dp": dp, "error": type(e).__name__, "message": str(e)}
     return {"rank": me, "dp": dp, "error": None}
 
 
@@ -112,7 +108,9 @@ def test_a_phase_failing_on_one_rank_fails_on_every_rank(worlds, data, phase, er
     messages = {r["message"] for r in records if r["error"]}
     for r in records:
         assert r["error"] == error.__name__, r
-        assert needle in r["message"] and r["after"] < FAST, r
+        # the failing rank's own error, on every rank: the others did not wait for the timeout (that
+        # would be a DeliveryError naming it)
+        assert needle in r["message"], r
     assert len(messages) == 1, messages  # the same error everywhere
 
 

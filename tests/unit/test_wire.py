@@ -321,10 +321,14 @@ def test_plan_offsets_exact():
 @FAST
 def test_header_roundtrip(kind, step, payload, data):
     meta = data.draw(st.integers(0, min(payload, wire.MAX_META_BYTES)))
-    words = Header(kind, step, payload, meta).encode()
-    assert words.dtype == torch.int64 and words.shape == (HEADER_WORDS,)
+    words = torch.tensor(Header(kind, step, payload, meta).words(), dtype=torch.int64)
+    assert words.shape == (HEADER_WORDS,)
     assert words.tolist()[:6] == [MAGIC, VERSION, int(kind), step, payload, meta]
-    assert Header.decode(words, max_payload_bytes=payload) == Header(kind, step, payload, meta)
+    assert _read(words, max_payload_bytes=payload) == Header(kind, step, payload, meta)
+
+
+def _read(words: torch.Tensor, max_payload_bytes: int) -> Header:
+    return Header.read(words.view(torch.uint8), max_payload_bytes)
 
 
 def _words(**over):
@@ -335,8 +339,8 @@ def _words(**over):
 
 
 def test_header_decode_accepts_boundaries():
-    assert Header.decode(_words(payload=1000, meta=1000), 1000) == Header(Kind.DATA, 3, 1000, 1000)
-    assert Header.decode(_words(payload=0, meta=0, step=0), 0) == Header(Kind.DATA, 0, 0, 0)
+    assert _read(_words(payload=1000, meta=1000), 1000) == Header(Kind.DATA, 3, 1000, 1000)
+    assert _read(_words(payload=0, meta=0, step=0), 0) == Header(Kind.DATA, 0, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -357,23 +361,44 @@ def test_header_decode_accepts_boundaries():
 )
 def test_header_decode_rejects(over, cap, match):
     with pytest.raises(WireError, match=match):
-        Header.decode(_words(**over), cap)
+        _read(_words(**over), cap)
 
 
 @pytest.mark.parametrize(
-    "words",
+    "buf",
     [
-        _words().to(torch.int32),
-        _words().to(torch.float64),
-        _words()[: HEADER_WORDS - 1],
-        torch.cat([_words(), torch.zeros(1, dtype=torch.int64)]),
-        torch.empty(0, dtype=torch.int64),
+        torch.zeros(wire.HEADER_BYTES - 1, dtype=torch.uint8),
+        torch.zeros(wire.HEADER_BYTES, dtype=torch.int8),
+        torch.zeros(2, wire.HEADER_BYTES, dtype=torch.uint8),
     ],
-    ids=["int32", "float64", "short", "long", "empty"],
+    ids=["short", "int8", "2-D"],
 )
-def test_header_decode_rejects_bad_words_tensor(words):
-    with pytest.raises(WireError, match="int64 words"):
-        Header.decode(words, 10**6)
+def test_read_message_rejects_what_is_not_a_message_buffer(buf):
+    with pytest.raises(WireError, match="a message is at least"):
+        wire.read_message(buf)
+
+
+def test_a_corrupt_or_hostile_peer_message_is_refused_not_evaluated():
+    """What the leaders gather and agree with is a wire message: a pickle (what
+    ``all_gather_object`` sends, here one that would run code), random bytes, a message whose
+    description was altered, or one without the text an agreement carries, raise WireError."""
+    import pickle
+
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('evaluated')",))
+
+    hostile = torch.frombuffer(bytearray(pickle.dumps(Boom()).ljust(wire.HEADER_BYTES, b"\0")), dtype=torch.uint8)
+    good = wire.message({"message": "disk on fire"}, Kind.SOURCE_ERROR, step=2, nbytes=4096)
+    altered = good.clone()
+    altered[wire.HEADER_BYTES : wire.HEADER_BYTES + 4] = torch.frombuffer(bytearray(b"[[[["), dtype=torch.uint8)
+    random = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for buf, match in ((hostile, "magic"), (random, "magic"), (altered, "description")):
+        with pytest.raises(WireError, match=match):
+            wire.read_message(buf)
+    with pytest.raises(WireError, match="carry a text"):
+        wire.read_text(wire.message({"value": 3}))
+    assert wire.read_text(good)[1] == "disk on fire"
 
 
 # --- hostile / corrupt payloads ---------------------------------------------------------------
@@ -849,7 +874,7 @@ def test_any_split_between_message_and_apart_round_trips(sizes, apart_min, dtype
 def test_header_carries_the_apart_bytes():
     header = Header(Kind.DATA, 1, 4096, 100, 2048)
     assert header.inline_nbytes == 2048
-    assert Header.decode(header.encode(), 4096) == header
+    assert _read(torch.tensor(header.words(), dtype=torch.int64), 4096) == header
 
 
 @pytest.mark.parametrize(
@@ -861,7 +886,7 @@ def test_header_rejects_impossible_apart_bytes(apart, match):
     words = _words(payload=1024, meta=100)
     words[6] = apart
     with pytest.raises(WireError, match=match):
-        Header.decode(words, 1 << 20)
+        _read(words, 1 << 20)
 
 
 def test_a_tensor_across_the_messages_end_is_rejected():
