@@ -6,8 +6,9 @@ Rank 0 then prints every rank's role and first batch, samples per replica, the c
 bytes moved, and the verdict of the invariant checks. Last, it runs the seed issue's naive set-up
 on the same mesh and data (every rank builds its own StreamingDataset with ``replication = tp *
 cp``) and prints, side by side, the share of steps whose last-stage labels do not belong to the
-first stage's inputs. Exit code 1 if a check fails; 2, with one line on stderr naming the flag to
-give, for any flag it cannot run with, found before any rank starts.
+first stage's inputs. Exit code 1 if a check of our loader fails (the naive run is the comparison,
+not a check: if it fails, the report says so and why in one line); 2, with one line on stderr naming
+the flag to give, for any flag it cannot run with, found before any rank starts.
 
 ``--data DIR`` may also hold LLM data as LLM Foundry writes it (a ``text`` column, given
 ``--tokenizer PATH`` and how to frame each document; a ``tokens`` column of bytes, given

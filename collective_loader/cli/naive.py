@@ -31,15 +31,22 @@ def naive_ids(
     makes the others raise ``failed(rank, text)`` at their next barrier."""
     from streaming import StreamingDataset
 
-    with leaders_world({}, group, failed):
-        dataset = StreamingDataset(
-            **a.stream_from("naive"),
-            batch_size=a.batch_size,
-            shuffle=True,
-            shuffle_seed=SHUFFLE_SEED,
-            replication=replication(layout),
-        )
-        ids = [b["sample_id"].tolist() for b in DataLoader(dataset, batch_size=a.batch_size, collate_fn=lm_collate)]
-        dist.barrier()  # every rank of the node is done with the blocks before they go
-    release(dataset)
+    dataset = None
+    try:
+        with leaders_world({}, group, failed):
+            dataset = StreamingDataset(
+                **a.stream_from("naive"),
+                batch_size=a.batch_size,
+                shuffle=True,
+                shuffle_seed=SHUFFLE_SEED,
+                replication=replication(layout),
+            )
+            loader = DataLoader(dataset, batch_size=a.batch_size, collate_fn=lm_collate)
+            ids = [b["sample_id"].tolist() for b in loader]
+            dist.barrier()  # every rank of the node is done with the blocks before they go
+    finally:
+        # also when a rank failed: the scope ends in an agreement that every rank joins once done
+        # with the blocks, so none is read any more; the demo goes on without the naive run
+        if dataset is not None:
+            release(dataset)
     return ids

@@ -25,11 +25,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from collective_loader.cli.args import RUNS, SHUFFLE_SEED, DemoArgs
 from collective_loader.cli.naive import naive_ids
 from collective_loader.cli.report import report
-from collective_loader.delivery.agreement import run_phase
+from collective_loader.delivery.agreement import agree_outcome, run_phase
 from collective_loader.delivery.transport import new_group
 from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.wire import Kind
 from collective_loader.streaming import PackedStream, StreamingSource
 from collective_loader.testing import invariants
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, write_dataset
@@ -188,19 +189,41 @@ def after_epoch(
     on several). Returns the report's exit code on every rank."""
     me = dist.get_rank()
     os.environ[APP_ID_VARIABLE] = f"{RUNS['naive']}{me}"
-    naive = naive_ids(a, layout, group, failed("the naive run")) if a.layout is None else []
+    naive, naive_failed = naive_run(a, layout, group) if a.layout is None else ([], None)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (ours, naive), group=group)  # the demo's bookkeeping, not the data path
     code = run_phase(
         group,
         lambda: (
-            report(a, layout, routing, dp_size, [g[0] for g in gathered], [g[1] for g in gathered]) if me == 0 else 0
+            report(a, layout, routing, dp_size, [g[0] for g in gathered], [g[1] for g in gathered], naive_failed)
+            if me == 0
+            else 0
         ),
         failed("the report"),
     )
     verdict = torch.tensor([code])
     dist.broadcast(verdict, src=0, group=group)  # rank 0's verdict is every rank's exit code
     return int(verdict)
+
+
+def naive_run(a: DemoArgs, layout: MeshLayout, group: dist.ProcessGroup) -> tuple[list[list[int]] | None, str | None]:
+    """The naive run's sample ids on this rank and ``None``, or, when it failed on any rank,
+    ``None`` and why (one line, the same on every rank). The naive run is the comparison, not
+    what the demo checks: streaming's own limits (two runs started together on one machine took
+    the same shared-memory prefix) must not fail the demo, whose verdict judges our loader."""
+    why = ""
+    try:
+        ids = naive_ids(a, layout, group, failed("the naive run"))
+    except Exception as e:  # on every rank: the others hear of it at their next barrier
+        ids = None
+        why = (
+            str(e)
+            if isinstance(e, DemoError)
+            else f"rank {dist.get_rank()} failed in the naive run: {type(e).__name__}: {e}"
+        )
+    # the first failing rank's reason, on every rank (also a failure after the last barrier)
+    kind, message, _ = agree_outcome(group, Kind.PHASE_ERROR if why else Kind.DATA, " ".join(why.split()))
+    return (ids, None) if kind == Kind.DATA else (None, message)
 
 
 def show_library_log() -> None:

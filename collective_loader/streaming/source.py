@@ -52,6 +52,8 @@ from collective_loader.text.packing import Packing
 from collective_loader.text.rows import PackedRows
 from collective_loader.types import Sample
 
+STALE_AFTER = 2.0  # seconds: clean_stale keeps a block younger than this (remove_stale's min_age)
+
 
 class StreamingSource:
     """Builds a ``StreamingDataset`` and its ``DataLoader`` on the leaders; pass it to
@@ -81,7 +83,8 @@ class StreamingSource:
             ``CollectiveLoader`` (``"loop"`` by default; ``"v"`` puts every leader on pp rank 0;
             give both the same).
         clean_stale: first remove the shared memory and lock files killed runs left on this
-            node (:func:`remove_stale`); blocks that a live process maps are kept.
+            node (:func:`remove_stale`); blocks that a live process maps, or that are younger
+            than 2 s, are kept. Without it they stay, and no dataset built here takes their prefix.
         timeout: seconds the leaders wait for each other while building.
         dataloader_kwargs: more DataLoader arguments (``pin_memory``, ``prefetch_factor``, …).
         **dataset_kwargs: passed to ``StreamingDataset`` unchanged (``local``, ``remote``,
@@ -153,7 +156,7 @@ class StreamingSource:
         with leaders_world(self._env, self._leaders.group):
             if self._clean_stale:
                 if self.place.dp_rank % int(self._env["LOCAL_WORLD_SIZE"]) == 0:  # the node's first leader
-                    remove_stale()
+                    remove_stale(min_age=STALE_AFTER)  # not another job's block of this very moment
                 leaders_barrier()  # nobody looks for blocks while they are removed
             dataset = kind(batch_size=self.documents_per_batch, **self._dataset_kwargs)
         loader = DataLoader(
