@@ -270,7 +270,8 @@ class CollectiveLoader:
         self._resume = dict(state)
 
     def close(self) -> None:
-        """Finish the transfers already under way, stop the background thread, close the source.
+        """Finish the transfers already under way, stop the background thread, close the source,
+        give back the loader's process groups: a closed loader cannot iterate again.
 
         Call it on every rank before ``dist.destroy_process_group()``; at interpreter exit it
         runs by itself. On a rank outside delivery, raises the error its leader failed with, if
@@ -281,22 +282,28 @@ class CollectiveLoader:
         and errors there.
         """
         _LIVE.discard(self)
+        stuck = False
         if self._epoch is not None:
             self._epoch.close()
+            stuck = self._epoch.in_source()
         if self._source is not None:
-            if self._epoch is not None and self._epoch.in_source():
+            if stuck:
                 warnings.warn("the source is still inside a stalled call; it is left open", stacklevel=2)
             else:
                 self._source.close()
-        readers = self.settings.groups.readers
-        if not self.in_delivery:
-            assert readers is not None, "a rank outside delivery is one of the readers"
-            try:
-                self._raise_posted_error()
-            finally:
-                readers.closed(self.place.rank)
-        elif readers is not None:  # this process hosts the store
-            readers.wait_closed()
+        groups = self.settings.groups
+        try:
+            if not self.in_delivery:
+                assert groups.readers is not None, "a rank outside delivery is one of the readers"
+                try:
+                    self._raise_posted_error()
+                finally:
+                    groups.readers.closed(self.place.rank)
+            elif groups.readers is not None:  # this process hosts the store
+                groups.readers.wait_closed()
+        finally:
+            if not stuck:  # a thread stuck in the source may still be inside a collective
+                groups.release()
 
     def _raise_posted_error(self) -> None:
         bulletin = self.settings.groups.bulletin

@@ -19,6 +19,7 @@ Two transports (see :mod:`collective_loader.delivery.protocol`):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -252,11 +253,38 @@ class Groups:
     bulletin: Bulletin | None  # the replica's ranks outside delivery read it, its leader posts on it
     readers: Readers | None  # every rank outside delivery, on them and on the job store's host
     count: int  # groups created by every rank
+    released: bool = False  # release() gave the groups back
 
     @property
     def in_delivery(self) -> bool:
         """Whether this rank is in a delivery group (and must iterate the loader)."""
         return bool(self.channels)
+
+    def release(self) -> None:
+        """Give back every process group above (the loader is closed; idempotent): torch forgets
+        them and this rank drops them, so each one's gloo worker threads end now, while the
+        interpreter is alive. Left to interpreter exit (the loader still holding them after
+        ``destroy_process_group()``), a worker that still held a finished collective's tensors
+        needed the GIL to free them and aborted the process ("terminate called without an active
+        exception"; 1 of about 20 two-step runs on a loaded machine). A closed loader's groups are
+        gone: using one raises ``AttributeError``."""
+        if self.released:
+            return
+        self.released = True
+        owned = (
+            [self.control, self.leaders]
+            + [c.group for c in self._channels()]
+            + [c.data_group for c in self._channels()]
+        )
+        for group in {id(g): g for g in owned if g is not None}.values():
+            with contextlib.suppress(ValueError):  # already destroyed (destroy_process_group() before close())
+                dist.destroy_process_group(group)
+        for channel in self._channels():
+            del channel.group, channel.data_group
+        del self.control, self.leaders
+
+    def _channels(self) -> list[Channel]:
+        return [*self.channels.values(), *([self.replica] if self.replica is not None else [])]
 
     def traffic(self) -> dict[str, int]:
         """Collectives and bytes this rank has sent and received through its delivery groups."""
