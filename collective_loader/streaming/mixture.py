@@ -4,9 +4,11 @@
 per source (build it on every rank, like them); on a leader it makes a :class:`MixtureStream`.
 Every source packs its own documents into rows of ``seq_len + 1`` tokens cut from their
 concatenation, so a row holds ``seq_len`` real tokens whatever its documents' lengths, and
-mixing rows mixes tokens. Which source each row of every replica comes from is decided by a
-:class:`~collective_loader.text.mixture.ReplicaAllocator` from the schedule and the training
-progress alone: every leader computes the same allocation, with no collective. Over all replicas
+mixing rows mixes tokens; an epoch's last, padded row counts its real tokens (the allocator
+credits it, and the progress counts real tokens). Which source each row of every replica comes
+from is decided by a :class:`~collective_loader.text.mixture.ReplicaAllocator` from the schedule
+and the training progress alone (and the padded rows the leaders tell each other in their
+agreement, below): every leader computes the same allocation. Over all replicas
 each source stays within a row of its target; each replica's own rows stay near it too, so each
 consumes its part of every source at about the scheduled rate and the leaders' parts (as many
 documents each) run out together; a replica's rows do not depend on how its steps are cut into
@@ -32,7 +34,9 @@ shares its weight among the others. What the other leaders had left of that sour
 not trained (as at streaming's own epoch end: each leader's part holds as many documents, so
 that is a few rows; ``stats()`` counts the queued ones as ``dropped_rows``). With a "repeat" or
 "stop" source the leaders agree on it every step (one small gather among them, on the loader's
-transfer thread); with "end" alone the loader's own end of data does.
+transfer thread, which also tells every leader which of the others' next rows are padded); with
+"end" alone the loader's own end of data does (and at dp > 1 the last padded rows before it count
+as full: no leader knows the others').
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import copy
 import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
+from itertools import islice
 from typing import Any
 
 import torch
@@ -220,7 +225,9 @@ class MixtureStream:
 
     Before a step's rows are used, each source has them queued; with a ``"repeat"`` or ``"stop"``
     source the leaders then agree over ``agreement`` (one gather) whether one of them lacks rows,
-    so that every leader ends, restarts or stops that source at the same step.
+    so that every leader ends, restarts or stops that source at the same step, and which of their
+    next ``batch_size`` rows of each active source (queued ahead) are padded: the allocator credits
+    them, counting their real tokens.
 
     State: the allocator's counters, the progress, and each source's own packing state (from
     before its queued rows), so each source resumes at its own cursor. ``stats()``: per source,
@@ -252,6 +259,10 @@ class MixtureStream:
         self.progress = 0.0  # in the schedule's unit, over every replica
         self._counts = {name: dict.fromkeys(("rows", "tokens", "documents"), 0) for name in self.names}
         self._held: dict[str, Any] = {}  # the saved states of sources this run does not describe
+        # the padded rows among every leader's next batch_size rows of each active source, when the
+        # leaders know each other's (an agreement, or one leader): (replica, source, index) -> padding tokens
+        self._ahead = batch_size if agreement is not None or self.dp_size == 1 else 0
+        self._padded: dict[tuple[int, str, int], int] = {}
 
     # --- iteration -------------------------------------------------------------------------------
 
@@ -260,16 +271,17 @@ class MixtureStream:
         index = {name: i for i, name in enumerate(self.names)}
         while True:
             start = self.progress  # the step's weights are those at its start
-            chosen = self._allocate()
-            if chosen is None:
+            allocated = self._allocate()
+            if allocated is None:
                 return
+            chosen, padding = allocated
             rows = [self.sources[name].take() for name in chosen]
             for name, row in zip(chosen, rows):
                 counts = self._counts[name]
                 counts["rows"] += 1
                 counts["tokens"] += max(len(row.tokens) - 1, 0)
                 counts["documents"] += row.documents
-            self.progress += self._step_progress()
+            self.progress += self._step_progress(padding)
             if log.isEnabledFor(logging.DEBUG):
                 weights = self.allocator.rows.weights_at(start)
                 log.debug("mixture step: rows %s, weights %s", {n: chosen.count(n) for n in self.names}, weights)
@@ -279,20 +291,33 @@ class MixtureStream:
             yield batch
 
     def _begin_every_source(self) -> None:
+        self._padded = {}
         for source in self.sources.values():
             source.begin()
 
-    def _allocate(self) -> list[str] | None:
-        """The sources of this replica's rows for the next step, each queued on every leader;
-        ``None`` when the epoch ends. A source some leader lacks rows of follows its policy."""
+    def _allocate(self) -> tuple[list[str], int] | None:
+        """The sources of this replica's rows for the next step, each queued on every leader, and
+        the padding tokens of every replica's rows; ``None`` when the epoch ends. A source some
+        leader lacks rows of follows its policy. The allocator credits the padded rows among the
+        leaders' next rows (allocating again when they are not the ones it was told of: each
+        source's next ``batch_size`` rows are all it can take, so a resume is exact)."""
         restarted: set[str] = set()
+        seq_len = self.packing.seq_len
         while True:
             trial = copy.deepcopy(self.allocator)  # kept only once every leader has its rows
-            chosen = trial.allocate(self.progress, self.batch_size)[self.dp_rank]
-            short = self._short(Counter(chosen))
+            every = trial.allocate(self.progress, self.batch_size, {k: n / seq_len for k, n in self._padded.items()})
+            short, heard = self._short(Counter(every[self.dp_rank]))
+            if heard != self._padded:
+                self._padded = heard
+                continue
             if not short:
                 self.allocator = trial
-                return chosen
+                taken = {(r, name): every[r].count(name) for r in range(self.dp_size) for name in self.names}
+                padding = sum(n for (r, name, i), n in heard.items() if i < taken[r, name])
+                self._padded = {
+                    (r, name, i - taken[r, name]): n for (r, name, i), n in heard.items() if i >= taken[r, name]
+                }
+                return every[self.dp_rank], padding
             for name in short:
                 policy = self.when_exhausted[name]
                 where = f"mixture source {name!r} ran out at progress {self.progress:.0f} {self.schedule.unit}"
@@ -316,18 +341,32 @@ class MixtureStream:
                     log.info("mixture: every source weighed now has stopped: the epoch ends")
                     return None
 
-    def _short(self, need: Counter[str]) -> list[str]:
+    def _short(self, need: Counter[str]) -> tuple[list[str], dict[tuple[int, str, int], int]]:
         """The sources some leader lacks rows of for this step (this leader's alone when every
-        policy is "end": the loader's end of data then stops every rank at the same step)."""
+        policy is "end": the loader's end of data then stops every rank at the same step), and
+        the padded rows (fewer than ``seq_len`` real tokens) among every leader's next
+        ``batch_size`` rows of each active source (queued to know them): (replica, source, index)
+        -> padding tokens; none when every policy is "end" at dp > 1 (no leader knows the others':
+        they count as full, and the epoch ends soon after them)."""
+        seq_len, ahead = self.packing.seq_len, self._ahead
 
-        def mine() -> tuple[list[str], list[str]]:
+        def mine() -> tuple[list[str], list[Any]]:
             short = [name for name in sorted(need) if not self.sources[name].fill(need[name])]
-            return short, short
+            padded = []
+            for name in self.allocator.rows.weights_at(self.progress) if ahead else ():
+                self.sources[name].fill(ahead)
+                for i, (row, _) in enumerate(islice(self.sources[name].queue, ahead)):
+                    if len(row.tokens) <= seq_len:
+                        padded.append([self.dp_rank, name, i, seq_len - max(len(row.tokens) - 1, 0)])
+            return short, [short, padded]
 
         if self.agreement is None:
-            return mine()[0]
-        _, heard = self.agreement.agree(mine, "queued a mixture step's rows")
-        return sorted(set().union(*heard))
+            short, heard = mine()
+            heard = [heard]
+        else:
+            _, heard = self.agreement.agree(mine, "queued a mixture step's rows")
+            short = sorted(set().union(*(s for s, _ in heard)))
+        return short, {(r, name, i): n for _, padded in heard for r, name, i, n in padded}
 
     def _together(self, work: Callable[[], Any], what: str) -> None:
         """``work()`` on every leader; with an agreement group, one that raises tells the others,
@@ -337,11 +376,12 @@ class MixtureStream:
         else:
             self.agreement.agree(lambda: (work(), None), what)
 
-    def _step_progress(self) -> float:
-        """One step's progress over every replica, in the schedule's unit."""
+    def _step_progress(self, padding: int) -> float:
+        """One step's progress over every replica, in the schedule's unit: its real tokens (its
+        rows' tokens but ``padding``), or 1 step."""
         if self.schedule.unit == "steps":
             return 1.0
-        return float(self.dp_size * self.batch_size * self.packing.seq_len)
+        return float(self.dp_size * self.batch_size * self.packing.seq_len - padding)
 
     # --- state -----------------------------------------------------------------------------------
 
@@ -383,7 +423,7 @@ class MixtureStream:
     def stats(self) -> dict[str, float]:
         """Per source ``name``: ``mixture/name/rows``, ``/tokens`` (real tokens), ``/documents``
         (begun) this leader delivered; ``/share`` (of this leader's real tokens) against
-        ``/target`` (the scheduled share of every replica's rows so far) and ``/weight`` (now);
+        ``/target`` (the scheduled share of every replica's real tokens so far) and ``/weight`` (now);
         ``/epochs`` begun, ``/dropped_rows`` (queued when an epoch ended early)."""
         total = sum(c["tokens"] for c in self._counts.values()) or 1
         targets = self.allocator.rows.targets

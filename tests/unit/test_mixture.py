@@ -5,15 +5,19 @@ window of 8 steps or more (hypothesis over weights, rows per step and windows), 
 plain "largest deficit first" rule is not used; the schedule's weights at phase boundaries and
 inside a ramp; sources starting and stopping; a source excluded and the others renormalized;
 resume equal to an uninterrupted run; resume after an edit of the schedule's future (no
-catch-up, the change lines); no dependence on the degree of data parallelism; the JSON and TOML
-forms and every refusal, naming the field.
+catch-up, the change lines); no dependence on the degree of data parallelism; short rows (a
+source's last, padded rows) counted by their real tokens, every 8-step window within the bound
+across a source's new epochs at dp 4 and 8; the JSON and TOML forms and every refusal, naming the
+field.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from fractions import Fraction
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -443,6 +447,92 @@ def test_the_replicas_state_resumes_exactly_and_at_another_dp_degree_goes_on_ove
     for _ in range(7):
         two.allocate(0, 8)
     assert two.rows.allocated == whole.rows.allocated
+
+
+# --- short rows -----------------------------------------------------------------------------------
+
+
+def test_a_short_row_counts_its_real_tokens_and_the_state_carries_it():
+    rows = RowAllocator(MixtureSchedule.constant({"web": 0.75, "code": 0.25}))
+    assert rows.allocate(0, 4) == ["web", "code", "web", "web"]
+    rows.credit("code", 0.5, 0)  # code's row held half a row of real tokens
+    assert rows.allocated == {"code": 0.5, "web": 3}
+    assert rows.targets == pytest.approx({"code": 0.875, "web": 2.625})  # the weights of 3.5 rows
+    assert rows.allocate(4, 2) == ["code", "web"]  # code is owed 0.375 + 0.25: it comes first
+    again = RowAllocator(rows.schedule)
+    again.load_state_dict(json.loads(json.dumps(rows.state_dict())))
+    assert again.state_dict() == rows.state_dict() and again.allocate(6, 8) == rows.allocate(6, 8)
+
+
+def repeating(dp: int, rows: int, epoch: list[list[float]], steps: int = 60, credit: bool = True) -> np.ndarray:
+    """``rep`` at 1/4 beside ``big``, over ``dp`` replicas, as ``MixtureStream`` runs it: replica
+    ``r``'s part of every epoch of ``rep`` holds rows of ``epoch[r]`` real rows each (1: full,
+    the last padded); a step that would take a row a replica lacks begins a new epoch of ``rep``
+    (the rows left dropped); the allocator is told the short rows among every replica's next
+    ``rows`` rows, and allocates again when they are not the ones it was told of. Per step, the
+    real rows of ``rep`` and of the step over all replicas."""
+    allocator = ReplicaAllocator(MixtureSchedule.constant({"big": 0.75, "rep": 0.25}, unit="steps"), dp)
+    parts = [list(part) for part in epoch]
+    known: dict[tuple[int, str, int], float] = {}
+    out = []
+    for step in range(steps):
+        while True:
+            trial = copy.deepcopy(allocator)
+            every = trial.allocate(step, rows, known)
+            need = [names.count("rep") for names in every]
+            heard = {(r, "rep", i): 1 - f for r, part in enumerate(parts) for i, f in enumerate(part[:rows]) if f < 1}
+            if credit and heard != known:
+                known = heard
+                continue
+            if any(n > len(part) for n, part in zip(need, parts)):
+                parts = [list(part) for part in epoch]  # a new epoch of rep on every replica
+                continue
+            break
+        allocator = trial
+        rep = sum(sum(part[:n]) for part, n in zip(parts, need))
+        out.append((rep, dp * rows - sum(n - sum(part[:n]) for part, n in zip(parts, need))))
+        parts = [part[n:] for part, n in zip(parts, need)]
+        known = {(r, name, i - need[r]): f for (r, name, i), f in known.items() if i >= need[r]}
+    return np.array(out)
+
+
+def worst_window(real: np.ndarray, width: int = 8) -> float:
+    """The largest ``|real rows of rep - 1/4 x real rows|`` over the windows of ``width`` steps."""
+    sums = np.array([real[i : i + width].sum(0) for i in range(len(real) - width + 1)])
+    return float(np.abs(sums[:, 0] - 0.25 * sums[:, 1]).max())
+
+
+@pytest.mark.parametrize("dp, rows", [(4, 2), (8, 1), (8, 2)])
+def test_short_rows_counted_by_their_real_tokens_keep_every_window_within_the_bound(dp, rows):
+    """Every replica's part of ``rep`` ends in a padded row, together (the distributed test's
+    data: 28-token documents, rows of 32) or apart (random parts): counted by their real tokens,
+    every window of 8 steps over all replicas stays within 1.5 rows (the documented bound; 1.00
+    the worst here); counted as full rows it did not (2.81 rows at dp 4, 5.62 at dp 8)."""
+    rng = np.random.default_rng(dp * 10 + rows)
+    cases = [[[1, 1, 17 / 32] if dp == 8 else [1] * 5 + [2 / 32]] * dp]
+    cases += [[[1] * int(rng.integers(2, 6)) + [rng.integers(1, 32) / 32] for _ in range(dp)] for _ in range(8)]
+    credited = max(worst_window(repeating(dp, rows, epoch)) for epoch in cases)
+    full = max(worst_window(repeating(dp, rows, epoch, credit=False)) for epoch in cases)
+    assert credited <= 1.5 < full, (credited, full)
+
+
+def test_parts_that_end_together_in_nearly_empty_rows_are_made_up_only_in_the_next_epoch():
+    """A limit: when every replica's part ends in a row of 2 real tokens of 32 at the same step,
+    every row of ``rep`` left is such a row, so only its next epoch can make up the difference:
+    1.62 rows (5.62 counted as full rows), the worst window ending before the new epoch's rows."""
+    epoch = [[1, 1, 2 / 32]] * 8
+    assert worst_window(repeating(8, 1, epoch)) < 1.7 < 5 < worst_window(repeating(8, 1, epoch, credit=False))
+
+
+def test_short_rows_beyond_a_step_s_reach_change_nothing():
+    """A step takes at most ``rows`` rows of a source from a replica (its first pass too), so the
+    short rows among each replica's next ``rows`` rows are all the allocation reads (what
+    ``MixtureStream`` tells it): rows further on, queued or not, change nothing."""
+    schedule = MixtureSchedule.constant({"web": 0.5, "code": 0.3, "math": 0.2})
+    a, b = ReplicaAllocator(schedule, 4), ReplicaAllocator(schedule, 4)
+    short = {(1, "code", 0): 0.75, (2, "web", 1): 0.5, (0, "web", 0): 0.25}
+    assert a.allocate(0, 4, short) == b.allocate(0, 4, {**short, (0, "math", 4): 0.5, (3, "code", 7): 0.25})
+    assert a.state_dict() == b.state_dict() and a.rows.allocated != ReplicaAllocator(schedule, 4).rows.allocated
 
 
 def test_when_exhausted_is_read_per_source_and_a_bad_one_is_refused_naming_it():
