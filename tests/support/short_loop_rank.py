@@ -15,13 +15,18 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from collective_loader import CollectiveLoader
 
-transport = sys.argv[1]
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
-batches = [{"x": torch.full((2, 4), step), "y": torch.full((2,), step)} for step in range(2)]
-loader = CollectiveLoader(batches, mesh, inputs=("x",), labels=("y",), transport=transport)
-seen = [int(batch["x"][0, 0]) for batch in loader]
-loader.close()
-dist.destroy_process_group()
-print("done", seen, flush=True)
+
+def main(transport: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+    batches = [{"x": torch.full((2, 4), step), "y": torch.full((2,), step)} for step in range(2)]
+    loader = CollectiveLoader(batches, mesh, inputs=("x",), labels=("y",), transport=transport)
+    seen = [int(batch["x"][0, 0]) for batch in loader]
+    loader.close()
+    dist.destroy_process_group()
+    print("done", seen, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
