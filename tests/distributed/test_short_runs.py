@@ -28,6 +28,7 @@ def test_short_runs_exit_cleanly(size, transport):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 50 runs of 4 ranks: about 5 minutes here
 @pytest.mark.parametrize(("size", "transport"), CASES)
 def test_fifty_short_runs_each_exit_cleanly(size, transport):
     """200 runs in all (50 per case)."""
