@@ -76,6 +76,7 @@ def test_a_killed_store_host_is_named_on_the_middle_stages():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 20 worlds of 4 to 6 ranks
 @pytest.mark.parametrize(
     ("pp", "dp", "middle"),
     [(3, 2, "iterate"), (3, 2, "never"), (4, 1, "iterate"), (4, 1, "never")],
