@@ -268,7 +268,8 @@ def files_of(prefixes: set[int]) -> list[str]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("killed_at", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 50-108 s; by default test_claim_skips_leftovers and the dead-locals case cover what it leaves
+@pytest.mark.parametrize("killed_at", [0, 2])
 def test_a_job_killed_with_sigkill_leaves_nothing_that_stops_the_next(data, tmp_path, killed_at):
     """A job whose leaders read from a "remote" (a directory streaming copies from) into a local
     cache is killed with SIGKILL to every process (agent, ranks, DataLoader workers, resource
