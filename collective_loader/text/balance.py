@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,22 +32,6 @@ from typing import NamedTuple
 FILLS = (0.0, 0.1, 0.25, 0.5)
 """The tries of :func:`place`: each the share of a step's tokens kept back as fillers (0: every
 piece placed longest first, the plain greedy). Which share does best depends on the step."""
-
-TRIES = 64
-"""The most *perturbed* tries of :func:`place` after the plain ones of :data:`FILLS`: each as the
-plain try of its share, but every piece goes to the replica whose cost times a factor drawn in
-``[1, 1.25)`` is least (a generator seeded with the try's number: the same on every leader).
-Where a step has few pieces, which replica takes which decides its balance, and one greedy order
-is often a few percent off the best placement; the best of many is closer."""
-
-TRY_GAP = 0.001
-"""The perturbed tries stop once the best placement's costliest replica is within this share of
-what it costs at least (about: the mean, or the longest piece's replica filled with the shortest)."""
-
-TRY_WORK = 1 << 16
-"""The most ``pieces * replicas`` that the perturbed tries of one step may take together (each
-looks at every replica per piece): ``TRIES`` of them at a small dp, fewer as dp grows, none once one
-try would exceed it (from dp 64 on with two rows of a few dozen pieces per replica)."""
 
 PARTNERS = 8
 """How many of the least costly replicas the costliest one trades pieces with, per exchange."""
@@ -173,15 +156,10 @@ def place(
     room, cut where the room ends (as the packer cuts at a row's edge): as in the plain greedy
     (the try of share 0), a piece is cut only where, counting the pieces before it (longest
     first), no row holds it whole; the exchanges keep to that (none frees a row's room under a
-    piece left to be cut). Then up to :data:`TRIES` *perturbed* tries, the same but each piece onto
-    the replica whose cost times a seeded random factor is least, while their ``pieces * dp``
-    stays within :data:`TRY_WORK` (at a small dp, where few pieces make one greedy order a few
-    percent off the best, many; none from dp 64 on with two rows of a few dozen pieces) and the
-    best so far is more than :data:`TRY_GAP` above a cheap floor (:func:`_near_floor`). The try
-    whose most costly replica costs least is kept (the first of equals); if none beats the rows
-    as packed, they stay where they were. Work per plain try: about ``pieces * log(dp)`` to
-    place, and per exchange ``dp`` plus ``PARTNERS`` times the pieces of two replicas (``log`` of
-    a row's pieces each); per perturbed try ``pieces * dp`` to place.
+    piece left to be cut). The try whose most costly replica costs least is kept (the first of
+    equals); if none beats the rows as packed, they stay where they were. Work per try: about
+    ``pieces * log(dp)`` to place, and per exchange ``dp`` plus ``PARTNERS`` times the pieces of
+    two replicas (``log`` of a row's pieces each).
 
     >>> packed = [[[9], [9]], [[3, 3, 3], [5, 4]]]  # leader 0: two 9-token documents; leader 1: short ones
     >>> replica_costs(packed, 0)
@@ -212,14 +190,8 @@ def place(
         for j, leader_rows in enumerate(rows)
     ]
     least = max(replica_costs(rows, linear_cost))
-    perturbed = min(TRIES, TRY_WORK // (len(pieces) * replicas or 1))
-    near = _near_floor(pieces, replicas, batch_rows, capacity, linear_cost) * (1 + TRY_GAP)
-    for t in range(-len(FILLS), perturbed):  # the plain tries (t < 0), then the perturbed ones, seeded t
-        if t >= 0 and least <= near:
-            break
-        tried = _try(
-            pieces, replicas, batch_rows, capacity, FILLS[t % len(FILLS)], random.Random(t) if t >= 0 else None
-        )
+    for share in FILLS:
+        tried = _try(pieces, replicas, batch_rows, capacity, share)
         cost = max(replica_costs([[[p.length for p in row] for row in replica] for replica in tried], linear_cost))
         if cost < least:  # strictly better: a tie keeps the earlier, so every leader keeps the same
             best, least = tried, cost
@@ -250,22 +222,6 @@ def place_in_blocks(
     return out
 
 
-def _near_floor(pieces: Sequence[Piece], replicas: int, batch_rows: int, capacity: int, linear_cost: float) -> float:
-    """What the costliest replica costs at least, about (``pieces``: longest first): the mean cost,
-    and the longest piece's replica with the rest of its rows in the shortest pieces (cheap to
-    count; cuts may go a little below it, so it only tells the perturbed tries when to stop)."""
-    mean = sum(p.length * p.length + linear_cost * p.length for p in pieces) / replicas
-    if not pieces:
-        return mean
-    need, alone = batch_rows * capacity - pieces[0].length, row_cost([pieces[0].length], linear_cost)
-    for n in (p.length for p in reversed(pieces[1:])):  # pieces: longest first
-        if need <= 0:
-            break
-        k = min(n, need)
-        alone, need = alone + k * k + linear_cost * k, need - k
-    return max(mean, alone)
-
-
 def _rank(piece: Piece) -> tuple[int, Piece]:
     """A piece's place in the order :func:`place` takes them: longest first, ties by the piece."""
     return (-piece.length, piece)
@@ -279,29 +235,23 @@ def _starts(lengths: Sequence[int]) -> list[int]:
     return starts
 
 
-def _try(
-    pieces: list[Piece], replicas: int, batch_rows: int, capacity: int, share: float, rng: random.Random | None
-) -> list[list[list[Piece]]]:
+def _try(pieces: list[Piece], replicas: int, batch_rows: int, capacity: int, share: float) -> list[list[list[Piece]]]:
     """One try of :func:`place`: ``pieces`` (longest first) with the shortest ``share`` of their
-    tokens as fillers; perturbed by ``rng`` (:data:`TRIES`), or plain (``None``)."""
-
-    def put_whole(pieces: Sequence[Piece]) -> list[Piece]:
-        return layout.put_whole(pieces) if rng is None else layout.put_perturbed(pieces, rng)
-
+    tokens as fillers."""
     budget, big = share * sum(p.length for p in pieces), len(pieces)
     while big and pieces[big - 1].length <= budget:
         budget -= pieces[big - 1].length
         big -= 1
     big = min(big, BIG_PER_ROW * replicas * batch_rows)
     layout = _Layout(replicas, batch_rows, capacity, pieces[big:])
-    left = put_whole(pieces[:big])
+    left = layout.put_whole(pieces[:big])
     if big < len(pieces):  # without fillers every row is full or holds no more piece: nothing to trade
         layout.skipped = left
         layout.exchange()
     # the fillers by cost as it stands: by the key, a piece shorter than the fillers' mean lowers
     # its replica's, which would then take every short piece and leave the long ones to the others
     layout.fill_sq, layout.fill_tokens = 0, 1
-    left = put_whole(left + pieces[big:])  # what fit nowhere may fit after the exchanges
+    left = layout.put_whole(left + pieces[big:])  # what fit nowhere may fit after the exchanges
     layout.cut(sorted(left, key=_rank))
     return layout.rows
 
@@ -373,25 +323,6 @@ class _Layout:
                 break
             else:
                 left.append(piece)
-        return left
-
-    def put_perturbed(self, pieces: Sequence[Piece], rng: random.Random) -> list[Piece]:
-        """As :meth:`put_whole`, but onto the replica of least key times ``1 + b / 1024``, ``b`` a
-        byte drawn from ``rng`` for each piece and replica (:data:`TRIES`): ``pieces * replicas`` work."""
-        replicas = len(self.rows)
-        noise = rng.randbytes(len(pieces) * replicas)
-        keys = [self.key(d) for d in range(replicas)]
-        largest = [max(room) for room in self.room]
-        left: list[Piece] = []
-        for i, piece in enumerate(pieces):
-            n, at = piece.length, i * replicas
-            fits = [(keys[d] * (1024 + noise[at + d]), d) for d in range(replicas) if largest[d] >= n]
-            if not fits:
-                left.append(piece)
-                continue
-            d = min(fits)[1]
-            self.put(d, min((room - n, r) for r, room in enumerate(self.room[d]) if room >= n)[1], piece)
-            keys[d], largest[d] = self.key(d), max(self.room[d])
         return left
 
     def exchange(self) -> None:

@@ -125,55 +125,24 @@ def longest_alone(rows: list, capacity: int) -> int:
 @pytest.mark.parametrize("replicas,batch_rows", [(2, 1), (4, 2), (8, 2), (4, 4)])
 def test_long_tail_steps_end_near_the_floor_and_below_the_plain_greedy(replicas, batch_rows, monkeypatch):
     """Issue 40: over 6 seeded long-tail steps in rows of 8k, the mean of max/mean cost is within
-    0.01 of the floor (the mean, or what the replica of the longest piece costs at least), and no
-    step is above the plain longest-first greedy (``FILLS = (0.0,)``, ``TRIES = 0``)."""
-    capacity, gaps = 8192, []
+    0.01 of the floor (the mean, or what the replica of the longest piece costs at least), and
+    below the plain longest-first greedy's (``FILLS = (0.0,)``: no fillers, no exchanges). Every
+    try of ``FILLS`` includes the plain one, so no step can be above it; the mean below it is what
+    the fillers and the exchanges add (0.001 to 0.009 on these steps)."""
+    capacity, gaps, placed, plain = 8192, [], [], []
     for seed in range(6):
         rng = np.random.default_rng([seed, replicas, batch_rows])
         rows = packer_steps(rng, replicas, batch_rows, capacity, long_tail(rng, capacity))
         costs = replica_costs(lengths(place(rows, batch_rows, capacity)), 0)
         mean = np.mean(costs)
         gaps.append((max(costs) - max(longest_alone(rows, capacity), mean)) / mean)
-        with monkeypatch.context() as plain:
-            plain.setattr(balance, "FILLS", (0.0,))
-            plain.setattr(balance, "TRIES", 0)
-            assert max(costs) <= max(replica_costs(lengths(place(rows, batch_rows, capacity)), 0))
+        placed.append(max(costs) / mean)
+        with monkeypatch.context() as greedy:
+            greedy.setattr(balance, "FILLS", (0.0,))
+            costs = replica_costs(lengths(place(rows, batch_rows, capacity)), 0)
+            plain.append(max(costs) / np.mean(costs))
     assert np.mean(gaps) <= 0.01, gaps
-
-
-def test_the_perturbed_tries_lower_few_pieces_steps_and_place_the_same_every_time(monkeypatch):
-    """Issue 40: on 12 seeded steps of log-normal documents in 4 replicas x 2 rows (few pieces a
-    row, where one greedy order is often a few percent off the best), the perturbed tries
-    (``TRIES``) lower the mean of max/mean cost against the plain tries alone, and no step rises;
-    two calls give the same placement (the tries are seeded)."""
-    capacity, with_tries, plain = 2048, [], []
-    for seed in range(12):
-        rng = np.random.default_rng([seed, 40])
-        docs = np.clip(rng.lognormal(5.1, 1.5, 1_000), 4, capacity).astype(int).tolist()
-        rows = packer_steps(rng, 4, 2, capacity, docs)
-        placed = place(rows, 2, capacity)
-        assert place(rows, 2, capacity) == placed
-        with_tries.append(max(costs := replica_costs(lengths(placed), 0)) / np.mean(costs))
-        with monkeypatch.context() as no_tries:
-            no_tries.setattr(balance, "TRIES", 0)
-            plain.append(max(costs := replica_costs(lengths(place(rows, 2, capacity)), 0)) / np.mean(costs))
-    assert all(a <= b for a, b in zip(with_tries, plain)), (with_tries, plain)
-    assert np.mean(with_tries) < np.mean(plain) - 0.002, (np.mean(with_tries), np.mean(plain))
-
-
-def test_the_perturbed_tries_stop_where_a_plain_try_reaches_the_floor(monkeypatch):
-    """A step the plain tries balance exactly (every replica the mean) runs no perturbed try;
-    one of long and short documents that they leave above it runs them all (``TRIES``)."""
-    calls = []
-    plain_try = balance._try
-    monkeypatch.setattr(balance, "_try", lambda *args: calls.append(args[-1]) or plain_try(*args))
-    place([[[4, 4]], [[2, 2, 2, 2]], [[4, 4]], [[2, 2, 2, 2]]], 1, 8)
-    assert len(calls) == len(balance.FILLS) and all(rng is None for rng in calls)
-    calls.clear()
-    rng = np.random.default_rng(7)
-    docs = np.clip(rng.lognormal(5.1, 1.5, 1_000), 4, 2048).astype(int).tolist()
-    place(packer_steps(rng, 4, 2, 2048, docs), 2, 2048)
-    assert len(calls) == len(balance.FILLS) + balance.TRIES
+    assert np.mean(placed) < np.mean(plain), (placed, plain)
 
 
 @settings(FAST, max_examples=100)  # each example places up to 48 rows of 2k: 100 keep this under a second
