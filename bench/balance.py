@@ -30,7 +30,8 @@
 
 Targets (issue 29): mean max/mean over replicas <= 1.05 on every mix at dp 2, 4 and 8, and over
 cp ranks at cp 2 with padding <= 10%; the balanced end-to-end run faster on the long-tail mix.
-Issue 40: within 0.01 of the floor on every mix at dp 2, 4, 8 with 1, 2 and 4 rows per replica.
+Issue 40: within 0.01 of the floor on every mix at dp 2, 4, 8 with 1, 2 and 4 rows per replica;
+issue 49: within 0.015 of it, with ``place`` at most 15 ms per step at dp 8.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from collective_loader.text.balance import Piece, place, place_in_blocks, replic
 from collective_loader.text.packing import Packer
 
 TARGET = 1.05
-NEAR = 0.01  # issue 40: balanced within this of the floor
+NEAR = 0.015  # issue 49 (0.01 in issue 40): balanced within this of the floor
 DPS = (2, 4, 8)
 ROWS = (1, 2, 4)  # rows per replica and step
 TIMED_DPS = (8, 32, 128, 512, 1024)  # place()'s time per step against dp
@@ -744,12 +745,13 @@ def report(results: dict) -> list[str]:
         "over every case, each must be 0: steps balanced below their floor "
         f"{sum(r['steps_below_floor'] for r in records)}; steps where `place` cut a piece a row had room for at its turn "
         f"{sum(r['steps_outside_floor'] for r in records)}. "
-        f"Targets: balanced <= {TARGET} with c = 0 (issue 29); balanced within {NEAR} of the floor (issue 40).",
+        f"Targets: balanced <= {TARGET} with c = 0 (issue 29); balanced within {NEAR} of the floor (issue 49; 0.01 in "
+        "issue 40).",
         "",
         *table(
             "mix | dp | rows | packed (c=0) | balanced (c=0) | worst step | floor (c=0) | above floor | counted "
             "| longest alone "
-            "| row by row (c=0) | packed (c=6d) | balanced (c=6d) | padding | <= 1.05 | within 0.01",
+            f"| row by row (c=0) | packed (c=6d) | balanced (c=6d) | padding | <= {TARGET} | within {NEAR}",
             rows,
         ),
         "Mixes: " + "; ".join(f"*{name}*: {desc}" for name, (desc, _, _) in mixes().items()) + ".",
