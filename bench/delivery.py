@@ -24,17 +24,12 @@ loading cost is measured.
   exposed wait.
 * Profile: one synchronous step rebuilt from the package's wire pieces, timed by phase; and what
   writing a payload into a fresh buffer costs against a reused one (this process, no world).
-* Scale: constructor time and 1 KiB step time on 2 to 16 ranks; groups and collectives per step
-  from the layout code for meshes up to pp=16, dp=128, cp=2, tp=4 (no processes).
-* Shard ranks: sequences split over cp, delivered by broadcast-then-slice and by scatter, on
-  8-rank meshes ``pp=2,cp=2,tp=2`` and ``cp=4,tp=2``, token-sized (64 KiB) and large (16 MiB)
-  batches; both loaders (and their process groups) built once per world.
-* Small tensors (``--small-tensors``, alone): 6 tensors of 1, 4 and 16 MiB in all (each under
-  ``APART_MIN_BYTES`` up to 4 MiB, so copied into the message), ``prefetch=1``, against one raw
-  ``dist.broadcast`` of the same bytes, mesh (dp, tp) = (1, 4), ``SMALL_ROUNDS`` rounds: the
-  threshold ``APART_MIN_BYTES`` as the package has it, and either side of it (every tensor copied
-  into the message, every tensor apart), one loader whose host broadcast mode's ``apart_min`` the
-  benchmark sets before each epoch.
+* Scale and shard ranks (``delivery_scale.py``): constructor and step time on 2 to 16 ranks,
+  groups and collectives per step from the layout code, broadcast or scatter to cp shard ranks.
+* Small tensors (``--small-tensors``, alone: ``delivery_small_tensors.py``).
+
+What the delivery benchmarks share (the epochs, the timing, the statistics over rounds):
+``bench/epochs.py``; what every benchmark shares: ``bench/harness.py``.
 """
 
 from __future__ import annotations
@@ -49,67 +44,39 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
+import delivery_small_tensors
 import torch
 import torch.distributed as dist
-from harness import (  # bench/harness.py: run as python bench/<name>.py
-    KIB,
-    MIB,
-    RESULTS,
-    Repeat,
-    Run,
-    Steps,
-    gather,
-    in_rounds,
-    keep,
-    kept,
-    size,
-    slowest,
-    table,
-    timed_steps,
+from delivery_report import BUFFERS, markdown, plot_payloads
+from delivery_scale import LAYOUT_MESHES, layout_row, plot_scale, scale_main, shard_main
+from epochs import (  # bench/epochs.py, bench/harness.py: run as python bench/<name>.py
+    DELIVERY_MESH,
+    LEADER,
+    LOADERS,
+    MIXED,
+    SKIP,
+    TIMEOUT,
+    Epoch,
+    loader_epochs,
+    make_batch,
+    raw_epochs,
+    slowest_steps,
+    stats_per_step,
+    summary,
+    tensor_bytes,
+    timed_epoch,
 )
+from harness import KIB, MIB, RESULTS, Repeat, Run, gather, in_rounds, keep, kept, slowest
 from torch.distributed.device_mesh import init_device_mesh
 
 from collective_loader import CollectiveLoader
 from collective_loader.delivery.buffers import BufferPool
-from collective_loader.delivery.modes import APART_MIN_BYTES, HostBroadcast
 from collective_loader.plan import wire
-from collective_loader.plan.mesh import MeshLayout, group_count
 from collective_loader.plan.wire import Header, Kind
 from collective_loader.testing import launch
-
-MIXED = (torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.bool, torch.float16)
-SKIP = 2  # warm-up steps left out at the start of every epoch
-TIMEOUT = 120.0  # seconds a loader waits in one collective
-DELIVERY_MESH = (("dp", "tp"), (1, 4))  # one leader (rank 0), three receivers
-LEADER = 0
-SCALE_MESHES = {2: (1, 1, 2), 4: (2, 1, 2), 8: (2, 2, 2), 16: (4, 2, 2)}  # world -> (pp, dp, tp)
-LAYOUT_MESHES = (  # (pp, dp, cp, tp)
-    (1, 1, 1, 8),
-    (3, 2, 2, 2),
-    (1, 8, 1, 8),
-    (2, 4, 1, 8),
-    (4, 8, 2, 4),
-    (8, 32, 2, 4),
-    (16, 64, 2, 4),
-    (16, 128, 2, 4),
-)
-LOADERS = {  # variant -> CollectiveLoader options
-    "loader_p1": {"prefetch": 1},
-    "loader_default": {},
-    "loader_device": {"transport": "device"},
-}
-LABELS = {
-    "loader_p1": "loader, prefetch=1",
-    "loader_default": "loader, default prefetch",
-    "loader_device": "loader, transport=device",
-    "raw": "raw broadcast",
-    "raw_pair": "raw header + payload",
-    "per_tensor": "per-tensor pattern",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,45 +123,7 @@ QUICK = Settings(
 )
 
 
-# --- batches and variants -------------------------------------------------------------------
-
-
-def make_batch(nbytes: int, n_tensors: int) -> dict[str, torch.Tensor]:
-    """``n_tensors`` tensors of shape (2, L) sharing about ``nbytes``, dtypes from :data:`MIXED`."""
-    batch = {}
-    for i, dtype in enumerate(MIXED[:n_tensors]):
-        length = max(1, nbytes // n_tensors // (2 * torch.empty(0, dtype=dtype).element_size()))
-        if dtype == torch.bool:
-            value = torch.rand(2, length) < 0.5
-        elif dtype.is_floating_point:
-            value = torch.randn(2, length).to(dtype)
-        else:
-            value = torch.randint(0, 32000, (2, length), dtype=dtype)
-        batch[f"t{i}_{str(dtype).removeprefix('torch.')}"] = value
-    return batch
-
-
-def tensor_bytes(batch: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in batch.values())
-
-
-Epoch = Callable[[int], Iterable[Any]]  # n -> something that yields once per delivered step
-
-
-def loader_epochs(loader: CollectiveLoader, source: Repeat) -> Epoch:
-    """An epoch of the loader: ``n`` batches from its source, then the end of data."""
-
-    def epoch(n: int) -> Iterable[Any]:
-        source.steps = n
-        return loader
-
-    return epoch
-
-
-def raw_epochs(nbytes: int, group: dist.ProcessGroup) -> Epoch:
-    """One ``dist.broadcast`` of ``nbytes`` per step into a buffer allocated once: the limit."""
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    return lambda n: (dist.broadcast(buf, LEADER, group=group) for _ in range(n))
+# --- variants -------------------------------------------------------------------------------
 
 
 def raw_pair_epochs(nbytes: int, group: dist.ProcessGroup) -> Epoch:
@@ -229,44 +158,6 @@ def per_tensor_step(batch: dict[str, torch.Tensor], group: dist.ProcessGroup) ->
 
 def per_tensor_epochs(batch: dict[str, torch.Tensor], group: dist.ProcessGroup) -> Epoch:
     return lambda n: (per_tensor_step(batch, group) for _ in range(n))
-
-
-# --- timing ---------------------------------------------------------------------------------
-
-
-def timed_epoch(epoch: Epoch, n: int, compute: float = 0.0) -> Steps:
-    """This rank's ``n`` steps after ``SKIP`` of warm-up; ``compute`` seconds of sleep follow every
-    step (the training loop's work)."""
-    gc.collect()  # the last run's garbage is not collected inside this run's timed steps
-    dist.barrier()
-    return timed_steps(epoch(n + SKIP), SKIP, each=(lambda i, batch: time.sleep(compute)) if compute else None)
-
-
-def slowest_steps(epoch: Epoch, n: int, compute: float = 0.0) -> list[float]:
-    """Per step, the slowest rank's step time."""
-    return slowest(gather(timed_epoch(epoch, n, compute).steps))
-
-
-def summary(seconds: list[float]) -> dict[str, float]:
-    return {
-        "p50": float(np.percentile(seconds, 50)),
-        "p95": float(np.percentile(seconds, 95)),
-        "mean": float(np.mean(seconds)),
-    }
-
-
-def stats_per_step(loader: CollectiveLoader, source: Repeat) -> dict[str, Any]:
-    """This rank's role and ``loader.stats()`` per step: the difference of two untimed epochs of
-    2 and 6 steps, so each epoch's end-of-data header cancels out."""
-    totals = []
-    for n in (2, 6):
-        before = loader.stats()
-        source.steps = n
-        for _ in loader:
-            pass
-        totals.append({k: v - before[k] for k, v in loader.stats().items()})
-    role = "leader" if loader.is_leader else loader.place.stage
-    return {"rank": dist.get_rank(), "role": role, **{k: (totals[1][k] - totals[0][k]) / 4 for k in totals[0]}}
 
 
 # --- the delivery world ---------------------------------------------------------------------
@@ -372,182 +263,7 @@ def delivery_main(s: Settings) -> int:
     return 0
 
 
-# --- the small-tensor world ------------------------------------------------------------------
-
-SMALL_PAYLOADS = ((MIB, 60), (4 * MIB, 40), (16 * MIB, 12))  # (payload of 6 tensors, measured steps)
-SMALL_ROUNDS = 15
-# variant -> HostBroadcast.apart_min during its epochs
-SMALL_VARIANTS: dict[str, int | None] = {
-    "loader": APART_MIN_BYTES,  # the package as it is
-    "loader_copied": None,  # every tensor copied into the message
-    "loader_apart": 64 * KIB,  # every tensor apart, none copied
-}
-
-
-def mode_epochs(epoch: Epoch, apart_min: int | None) -> Epoch:
-    """``epoch`` with the host broadcast mode's ``apart_min`` set for its steps (the leader's
-    transfer thread reads it at each pack; it ends with the epoch)."""
-
-    def run(n: int) -> Iterable[Any]:
-        HostBroadcast.apart_min = apart_min
-        return epoch(n)
-
-    return run
-
-
-def small_tensors_main(args: tuple[int, str]) -> int:
-    """Rank entry of the small-tensor world: every variant and the raw broadcast, in ``rounds``;
-    rank 0 keeps a record per payload in ``out``."""
-    rounds, out = args
-    names, shape = DELIVERY_MESH
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    group = dist.new_group(list(range(dist.get_world_size())))
-    for nbytes, n in SMALL_PAYLOADS:
-        batch = make_batch(nbytes, len(MIXED))
-        source = Repeat(batch)
-        loader = CollectiveLoader(source, mesh, inputs=tuple(batch), labels=(), timeout=TIMEOUT, prefetch=1)
-        epochs = {name: mode_epochs(loader_epochs(loader, source), v) for name, v in SMALL_VARIANTS.items()}
-        epochs["raw"] = raw_epochs(tensor_bytes(batch), group)
-        record = {
-            "kind": "small_tensors",
-            "payload": nbytes,
-            "tensor_bytes": tensor_bytes(batch),
-            "largest_tensor": max(t.numel() * t.element_size() for t in batch.values()),
-            "steps": n,
-            "load": [os.getloadavg()[0]],
-            "rounds": in_rounds({name: (lambda e=e, n=n: slowest_steps(e, n)) for name, e in epochs.items()}, rounds),
-        }
-        record["load"].append(os.getloadavg()[0])
-        loader.close()
-        if dist.get_rank() == 0:
-            keep(out, record)
-            print(f"small tensors: {size(nbytes)} done", flush=True)
-    return 0
-
-
-def small_tensors_markdown(rows: list[dict[str, Any]]) -> list[str]:
-    """The small-tensor case's report."""
-    variants = (*SMALL_VARIANTS, "raw")
-    out = []
-    for r in rows:
-        rd = r["rounds"]
-        per_round = [summary(a)["p50"] / summary(b)["p50"] for a, b in zip(rd["loader"], rd["raw"])]
-        out.append(
-            (
-                size(r["payload"]),
-                size(r["largest_tensor"]),
-                r["steps"],
-                *(f"{median_p50(rd[v]):.3f}" for v in variants),
-                *(f"{ratio(rd, v, 'raw'):.2f}" for v in SMALL_VARIANTS),
-                f"{min(per_round):.2f}-{max(per_round):.2f}",
-                "-".join(f"{x:.1f}" for x in r["load"]),
-            )
-        )
-    header = (
-        "payload (6 tensors) | largest tensor | steps | loader p50 | all copied p50 | all apart p50 | "
-        "raw broadcast p50 | loader / raw | all copied / raw | all apart / raw | loader / raw, per round | "
-        "1-min load, start-end"
-    )
-    return [
-        (
-            f"Mesh (dp, tp) = (1, 4), one leader and three receivers, gloo. 6 tensors (int64, int32, float32, "
-            f"bfloat16, bool, float16) of the payload in all, `prefetch=1`, against one raw `dist.broadcast` of "
-            f"the same bytes per step into a buffer allocated once. {SMALL_ROUNDS} rounds, the order rotating; a "
-            "step's time is the slowest rank's time between two consecutive batches; p50 in ms, the median over "
-            "rounds; ratios are ours / raw, the median over rounds of the per-round ratio of p50s."
-        ),
-        "",
-        (
-            f"*loader*: the package as it is (`HostBroadcast`: host tensors of at least {size(APART_MIN_BYTES)} "
-            "travel apart, the others are copied into the message). *all copied*: no tensor apart. *all apart*: "
-            "every tensor in a broadcast of its own (`apart_min` 64 KiB), none copied. The three are one loader "
-            "whose `HostBroadcast.apart_min` the benchmark sets before each epoch."
-        ),
-        "",
-        *table(header, out),
-    ]
-
-
-# --- the scale worlds -----------------------------------------------------------------------
-
-
-def scale_main(s: Settings) -> int:
-    """Rank entry of a scale world: constructor time and 1 KiB step time for both prefetch settings."""
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", SCALE_MESHES[world], mesh_dim_names=("pp", "dp", "tp"))
-    ids = torch.randint(0, 32000, (2, 32))  # 512 bytes of inputs and 512 of labels: 1 KiB per step
-    source = Repeat({"input_ids": ids, "labels": ids.roll(-1, 1)})
-    record: dict[str, Any] = {"kind": "scale", "world": world, "shape": SCALE_MESHES[world], "steps": s.max_steps}
-
-    def run(options: dict[str, Any]) -> dict[str, Any]:
-        dist.barrier()
-        start = time.perf_counter()
-        loader = CollectiveLoader(source, mesh, inputs=("input_ids",), labels=("labels",), timeout=TIMEOUT, **options)
-        built = max(gather(time.perf_counter() - start))
-        record["group_count"] = loader.group_count
-        stats = gather(stats_per_step(loader, source))
-        steps = slowest_steps(loader_epochs(loader, source), s.max_steps)
-        loader.close()
-        return {"construct": built, "steps": steps, "stats": stats}
-
-    record["rounds"] = in_rounds({name: (lambda o=o: run(o)) for name, o in LOADERS.items()}, s.rounds)
-    if dist.get_rank() == 0:
-        keep(s.out, record)
-        print(f"scale: {world} ranks done", flush=True)
-    return 0
-
-
-# --- the shard worlds: broadcast or scatter ----------------------------------------------------
-
-SHARD_MODES = ("broadcast", "scatter")
-
-
-def shard_batch(nbytes: int) -> dict[str, torch.Tensor]:
-    """4 sequences of int64 tokens, ``input_ids`` and ``labels``: about ``nbytes`` together."""
-    seq = max(64, nbytes // (2 * 4 * 8) // 64 * 64)
-    ids = torch.randint(0, 32000, (4, seq))
-    return {"input_ids": ids, "labels": ids.roll(-1, 1)}
-
-
-def shard_main(args: tuple[Settings, tuple[str, ...], tuple[int, ...]]) -> int:
-    """Rank entry of a shard world: sequences split over cp (zigzag), delivered by broadcast-then-
-    slice and by scatter, every payload in rounds. Both loaders, and so their process groups, are
-    built once per world."""
-    s, dims, shape = args
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
-    source = Repeat({})
-    loaders = {
-        mode: CollectiveLoader(
-            source,
-            mesh,
-            inputs=("input_ids",),
-            labels=("labels",),
-            seq_dims={"input_ids": 1, "labels": 1},
-            split="zigzag",
-            delivery=mode,
-            timeout=TIMEOUT,
-        )
-        for mode in SHARD_MODES
-    }
-    for nbytes, n in s.shard_payloads:
-        source.batch = shard_batch(nbytes)
-        runs = {
-            mode: (lambda mode=mode, n=n: slowest_steps(loader_epochs(loaders[mode], source), n)) for mode in loaders
-        }
-        record = {"kind": "shard", "dims": dims, "shape": shape, "payload": nbytes, "steps": n}
-        record["rounds"] = in_rounds(runs, s.rounds)
-        if dist.get_rank() == 0:
-            keep(s.out, record)
-            print(f"shard: {dict(zip(dims, shape))}, {size(nbytes)} done", flush=True)
-    for loader in loaders.values():
-        loader.close()
-    return 0
-
-
 # --- buffer cost (this process, no world) -------------------------------------------------
-
-
-BUFFERS = ("reused", "fresh_freed", "fresh_kept")
 
 
 def copy_time(nbytes: int, mode: str, steps: int = 10) -> float:
@@ -579,435 +295,13 @@ def buffer_costs(s: Settings) -> list[dict[str, Any]]:
     return rows
 
 
-# --- layout table (no processes) ------------------------------------------------------------
-
-
-def layout_row(pp: int, dp: int, cp: int, tp: int) -> dict[str, Any]:
-    """Groups and collectives per step of a mesh, from the layout code.
-
-    A leader runs one all-reduce among the leaders (when there are several), then one message
-    collective per delivery group (first and last stage; steady state: batch sizes repeat); a
-    receiver takes part in its own group's collective. Without every_stage keys the middle stages
-    are outside delivery: no collective (one store read per prefetch window if they iterate)."""
-    layout = MeshLayout.build(("pp", "dp", "cp", "tp"), (pp, dp, cp, tp), range(pp * dp * cp * tp))
-    named = [name for name, _ in layout.replica_groups()[0].all()]
-    per_group = {name: 1 for name in named if name != "middle"}
-    return {
-        "pp": pp,
-        "dp": dp,
-        "cp": cp,
-        "tp": tp,
-        "gpus": pp * dp * cp * tp,
-        "groups": group_count(layout.dp_size, layout.pp_size),
-        "leader": int(len(layout.leaders()) > 1) + sum(per_group.values()),
-        "receiver": {**per_group, **({"middle": 0} if "middle" in named else {})},
-    }
-
-
-# --- report ---------------------------------------------------------------------------------
-
-
-def ratio(rounds: dict[str, list[list[float]]], num: str, den: str) -> float:
-    """Median over rounds of the per-round ratio of p50s."""
-    return statistics.median(summary(a)["p50"] / summary(b)["p50"] for a, b in zip(rounds[num], rounds[den]))
-
-
-def p50_p95(series: list[list[float]]) -> str:
-    """``p50 (p95)`` in ms, each the median over rounds."""
-    p50 = statistics.median(summary(r)["p50"] for r in series)
-    p95 = statistics.median(summary(r)["p95"] for r in series)
-    return f"{p50 * 1e3:.3f} ({p95 * 1e3:.3f})"
-
-
-def per_role(stats: list[dict[str, Any]], key: str = "collectives") -> str:
-    """``role: value`` for each distinct role, e.g. ``leader 2, both 2``."""
-    roles: dict[str, set[float]] = {}
-    for s in stats:
-        roles.setdefault(s["role"], set()).add(s[key])
-    return ", ".join(f"{role} {'/'.join(f'{v:g}' for v in sorted(vs))}" for role, vs in roles.items())
-
-
-def delivery_tables(rows: list[dict[str, Any]]) -> list[str]:
-    lines = []
-    for n_tensors in sorted({r["n_tensors"] for r in rows}):
-        dtypes = ", ".join(str(d).removeprefix("torch.") for d in MIXED[:n_tensors])
-        mine = [(r, r["rounds"]) for r in rows if r["n_tensors"] == n_tensors]
-        plural = "s" if n_tensors > 1 else ""
-        lines += [f"### {n_tensors} tensor{plural} ({dtypes}): vs the limit", ""]
-        lines += table(
-            "payload | wire bytes | steps | loader p=1 | loader default | loader device | raw broadcast | "
-            "raw header + payload | p=1 / raw | default / raw | device / raw | p=1 / raw header + payload | "
-            "collectives per step (stats)",
-            [
-                (
-                    size(r["payload"]),
-                    r["wire_bytes"],
-                    r["steps"],
-                    *(p50_p95(rd[v]) for v in ("loader_p1", "loader_default", "loader_device", "raw", "raw_pair")),
-                    *(f"{ratio(rd, v, 'raw'):.2f}" for v in ("loader_p1", "loader_default", "loader_device")),
-                    f"{ratio(rd, 'loader_p1', 'raw_pair'):.2f}",
-                    per_role(r["stats"]["loader_p1"]),
-                )
-                for r, rd in mine
-            ],
-        )
-        lines += [
-            f"### {n_tensors} tensor{plural}: vs the per-tensor pattern ({n_tensors + 1} collectives per step)",
-            "",
-        ]
-        lines += table(
-            "payload | per-tensor | loader p=1 | loader default | per-tensor / p=1 | per-tensor / default",
-            [
-                (
-                    size(r["payload"]),
-                    *(p50_p95(rd[v]) for v in ("per_tensor", "loader_p1", "loader_default")),
-                    f"{ratio(rd, 'per_tensor', 'loader_p1'):.2f}",
-                    f"{ratio(rd, 'per_tensor', 'loader_default'):.2f}",
-                )
-                for r, rd in mine
-            ],
-        )
-    return lines
-
-
-def median_p50(series: list[list[float]]) -> float:
-    """The median over rounds of the p50, in ms."""
-    return statistics.median(summary(x)["p50"] for x in series) * 1e3
-
-
-def profile_table(rows: list[dict[str, Any]]) -> list[str]:
-    out = []
-    for r in rows:
-        prof = r["rounds"]["profile"]
-        med = {k: median_p50([p[k] for p in prof]) for k in prof[0]}
-        loader, raw = median_p50(r["rounds"]["loader_p1"]), median_p50(r["rounds"]["raw"])
-        phases = (med["pack"], med["message"], med["unpack"], med["step"], loader, raw)
-        out.append(
-            (f"{r['n_tensors']} t", size(r["payload"]), *(f"{x:.3f}" for x in phases), f"{loader - med['step']:+.3f}")
-        )
-    header = (
-        "batch | payload | leader pack | leader message bcast | receiver unpack | rebuilt step | "
-        "loader p=1 step | raw broadcast | loader p=1 - rebuilt"
-    )
-    return table(header, out)
-
-
-def overlap_summary(r: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per run: mean and p95 exposed wait, as a fraction of the synchronous delivery time."""
-    sync = r["overlap"]["sync_delivery"]
-    return {
-        name: {
-            "mean": statistics.median(summary(w)["mean"] for w in waits) / sync,
-            "p95": statistics.median(summary(w)["p95"] for w in waits) / sync,
-        }
-        for name, waits in r["overlap"]["waits"].items()
-    }
-
-
-PREFETCH = {"loader_p1": "1", "loader_default": "default (2)", "loader_device": "default (2), device"}
-
-
-def overlap_table(rows: list[dict[str, Any]]) -> list[str]:
-    out = []
-    for r in rows:
-        sync = r["overlap"]["sync_delivery"]
-        sync_mean = statistics.median(summary(x)["mean"] for x in r["rounds"]["loader_p1"])
-        for name, frac in overlap_summary(r).items():
-            variant, factor = name.split(" x")
-            out.append(
-                (
-                    size(r["payload"]),
-                    f"{sync * 1e3:.3f} ms",
-                    f"{sync_mean * 1e3:.3f} ms",
-                    f"{factor} x sync = {int(factor) * sync * 1e3:.3f} ms",
-                    PREFETCH[variant],
-                    f"{frac['mean'] * sync * 1e3:.3f} ms",
-                    f"{frac['mean']:.1%}",
-                    f"{frac['p95']:.1%}",
-                )
-            )
-    header = (
-        "payload | sync delivery (p=1 p50) | its mean | compute / step | prefetch | exposed wait, mean | "
-        "mean / sync | p95 / sync"
-    )
-    return table(header, out)
-
-
-def scale_table(rows: list[dict[str, Any]]) -> list[str]:
-    out = []
-    for r in rows:
-        rd = r["rounds"]
-        built = {n: statistics.median(x["construct"] for x in rd[n]) * 1e3 for n in LOADERS}
-        steps = {n: [x["steps"] for x in rd[n]] for n in LOADERS}
-        pp, dp, tp = r["shape"]
-        derived = layout_row(pp, dp, 1, tp)
-        receivers = ", ".join(f"{name} {k}" for name, k in derived["receiver"].items())
-        out.append(
-            (
-                r["world"],
-                tuple(r["shape"]),
-                r["group_count"],
-                f"{built['loader_p1']:.1f} / {built['loader_default']:.1f} ms",
-                p50_p95(steps["loader_p1"]),
-                p50_p95(steps["loader_default"]),
-                per_role(rd["loader_p1"][0]["stats"]),
-                f"leader {derived['leader']}, {receivers}",
-            )
-        )
-    header = (
-        "ranks | mesh (pp, dp, tp) | groups | constructor p=1 / default (median) | step p=1 p50 (p95) | "
-        "step default p50 (p95) | collectives per step, measured (stats) | from the layout code"
-    )
-    return table(header, out)
-
-
-def buffer_table(rows: list[dict[str, Any]]) -> list[str]:
-    out = []
-    for r in rows:
-        ms = {mode: statistics.median(r[mode]) * 1e3 for mode in BUFFERS}
-        out.append(
-            (
-                size(r["payload"]),
-                *(f"{ms[mode]:.2f} ms" for mode in BUFFERS),
-                f"{ms['fresh_freed'] / ms['reused']:.1f}",
-                f"{ms['fresh_kept'] / ms['reused']:.1f}",
-            )
-        )
-    header = "payload | buffer allocated once | fresh, freed each step | fresh, kept | freed / once | kept / once"
-    return table(header, out)
-
-
-def layout_table(rows: list[dict[str, Any]]) -> list[str]:
-    out = []
-    for r in rows:
-        recv = r["receiver"]
-        last = recv.get("last", "(= first)" if r["pp"] == 1 else "-")
-        groups = (r["gpus"], r["pp"], r["dp"], r["cp"], r["tp"], r["groups"], r["leader"])
-        out.append((*groups, recv.get("first", "-"), last, recv.get("middle", "-")))
-    header = (
-        "GPUs | pp | dp | cp | tp | groups (`group_count`) | leader | first-stage receiver | "
-        "last-stage receiver | middle-stage receiver"
-    )
-    return table(header, out)
-
-
-def targets(delivery: list[dict[str, Any]]) -> list[str]:
-    """One line per target: met or missed, with the measured ratios."""
-
-    def line(name: str, values: list[tuple[str, float]], ok: Callable[[float], bool]) -> str:
-        if not values:
-            return f"- {name}: not measured in this run"
-        verdict = "met" if all(ok(v) for _, v in values) else "MISSED"
-        return f"- {name}: **{verdict}** ({', '.join(f'{k} {v:.2f}' for k, v in values)})"
-
-    def ratios(pick: Callable[[dict], bool], num: str, den: str) -> list[tuple[str, float]]:
-        return [(f"{r['n_tensors']}t {size(r['payload'])}", ratio(r["rounds"], num, den)) for r in delivery if pick(r)]
-
-    waits = [
-        (f"{size(r['payload'])} {name}", frac["mean"])
-        for r in delivery
-        if "overlap" in r
-        for name, frac in overlap_summary(r).items()
-    ]
-    return [
-        line(
-            "loader (p=1) <= 1.15x raw broadcast at >= 1 MiB",
-            ratios(lambda r: r["payload"] >= MIB, "loader_p1", "raw"),
-            lambda v: v <= 1.15,
-        ),
-        line(
-            "loader (p=1) <= 2x raw broadcast at 1 KiB",
-            ratios(lambda r: r["payload"] == KIB, "loader_p1", "raw"),
-            lambda v: v <= 2,
-        ),
-        line(
-            "per-tensor / loader (p=1) >= 3 for 6 small tensors (<= 16 KiB)",
-            ratios(lambda r: r["n_tensors"] == 6 and r["payload"] <= 16 * KIB, "per_tensor", "loader_p1"),
-            lambda v: v >= 3,
-        ),
-        line(
-            "exposed wait (mean) <= 10% of synchronous delivery when compute >= delivery time",
-            waits,
-            lambda v: v <= 0.10,
-        ),
-        "",
-    ]
-
-
-def markdown(results: dict[str, Any]) -> list[str]:
-    """The report's body, under the title and header ``harness.Run.write`` adds."""
-    meta = results["meta"]
-    delivery = results["delivery"]
-    return [
-        (
-            "Every figure compared is measured side by side in one world: each variant runs one epoch in turn, "
-            f"{meta['rounds']} rounds, the order rotating each round. A step's time is the slowest rank's time "
-            f"between two consecutive batches (first {SKIP} steps of each epoch left out); p50 (p95) in ms, each the "
-            "median over rounds; ratios are medians over rounds of the per-round ratio of p50s. No compute, no "
-            "loading: the source yields one pre-built batch. `gc.collect()` runs before every epoch, outside the "
-            "timed steps."
-        ),
-        "",
-        "## Targets",
-        "",
-        *targets(delivery),
-        "## Delivery vs raw broadcast and vs the per-tensor pattern",
-        "",
-        (
-            "Mesh (dp, tp) = (1, 4): one leader, three receivers, one delivery group of 4 ranks. *raw broadcast*: "
-            "one `dist.broadcast` of the batch's tensor bytes per step over a `dist.new_group` of the same 4 ranks, "
-            "into a buffer allocated once (the transport's limit). *raw header + payload*: a 64-byte broadcast then "
-            "that one, both into buffers allocated once (the floor of the earlier protocol that sent a header then a payload). *per-tensor*: "
-            "Megatron's `get_batch_on_this_tp_rank` pattern, one int64 broadcast of the shapes then one broadcast "
-            "per tensor into fresh tensors (n + 1 collectives). *loader p=1*: `prefetch=1`, the synchronous "
-            "delivery time; *loader default*: `prefetch=2`. Collectives per step come from `loader.stats()` "
-            "(difference of a 2- and a 6-step epoch)."
-        ),
-        "",
-        *delivery_tables(delivery),
-        "## Where a step's time goes",
-        "",
-        (
-            "One synchronous steady-state step rebuilt in the benchmark from the package's pieces (`wire.encode`, "
-            "`Encoded.write` into a `BufferPool` buffer, `Header.decode`, `wire.decode`) and one "
-            "`dist.broadcast` over the raw group, timed by phase with `time.perf_counter` (p50 ms, median over rounds, run in "
-            "the same rotation as the variants above). *rebuilt step* is the slowest rank's whole step; the last "
-            "column is what the loader adds on top (its transfer thread, queue hand-off, routing)."
-        ),
-        "",
-        *profile_table(delivery),
-        (
-            "What a fresh buffer costs: writing a payload into a `torch.empty(n)` made each step (what the leader's "
-            "pack did before `BufferPool`; receivers received into one) vs into a buffer allocated once (what the "
-            "raw broadcast and the pool do). "
-            "A fresh buffer is either freed at once (the loader's, once the loop drops the batch) or kept until the "
-            "end (a loop that holds on to its batches). Worker thread, one torch thread, in the parent process after "
-            "the worlds ended; median of 10 copies, median over rounds."
-        ),
-        "",
-        *buffer_table(results["buffers"]),
-        "## Overlap",
-        "",
-        (
-            "The training loop sleeps a fixed time per step: 1x and 2x the synchronous delivery time (the p=1 p50 "
-            "above, measured just before in the same world). The exposed wait is the time spent inside `next(it)`, "
-            "slowest rank per step, over the synchronous delivery time. 6-tensor batches."
-        ),
-        "",
-        *overlap_table([r for r in delivery if "overlap" in r]),
-        "## Scale",
-        "",
-        (
-            "Constructor time (slowest rank, `CollectiveLoader(...)` alone) and 1 KiB step time (512 B of inputs "
-            "to the first stage, 512 B of labels to the last) as the world grows. These worlds run 2 to 16 processes "
-            f"on {os.cpu_count()} cores, so times past 2 ranks measure oversubscription as much as the loader. The "
-            "stats column counts the message collectives of the delivery groups per rank role; the leaders' "
-            "all-reduce (dp > 1) is not in `stats()`."
-        ),
-        "",
-        *scale_table(results["scale"]),
-        "### Groups and collectives per step, from the layout code",
-        "",
-        (
-            "No processes: `layout.group_count(dp, pp)` and `MeshLayout(...).replica_groups()`. Derivation: a "
-            "leader does 1 all-reduce among leaders (when dp > 1), plus one message collective per delivery group: "
-            "first stage and last stage (with pp = 1 they are one group); middle stages, without every_stage keys, "
-            "are outside delivery (0 collectives); a receiver "
-            "does 1. That is the steady state, while batch sizes repeat: a batch larger than the previous one on "
-            "its channel costs one more collective. None of this grows with tp or cp."
-        ),
-        "",
-        *layout_table(results["layout"]),
-        "## Broadcast or scatter for shard ranks",
-        "",
-        (
-            'Sequences split over cp (`split="zigzag"`): 4 sequences of int64 `input_ids` and `labels`, inputs to '
-            'the first stage, labels to the last; the loader with `delivery="broadcast"` (every rank of a delivery '
-            'group gets the whole batch and slices its own piece) and with `delivery="scatter"` (each rank is sent '
-            "its piece), default prefetch, no compute. Both loaders are built once per world and take turns in "
-            "rounds; step times of the slowest rank as above, and their mean, medians over rounds."
-        ),
-        "",
-        *shard_table(results["shard"]),
-    ]
-
-
-def shard_table(rows: list[dict[str, Any]]) -> list[str]:
-    out = []
-    for r in rows:
-        rd = r["rounds"]
-        mesh = ",".join(f"{d}={k}" for d, k in zip(r["dims"], r["shape"]))
-        mean = [statistics.median(summary(x)["mean"] for x in rd[m]) * 1e3 for m in SHARD_MODES]
-        out.append(
-            (
-                mesh,
-                size(r["payload"]),
-                r["steps"],
-                *(p50_p95(rd[m]) for m in SHARD_MODES),
-                *(f"{x:.3f}" for x in mean),
-                f"{ratio(rd, 'scatter', 'broadcast'):.2f}",
-            )
-        )
-    header = (
-        "mesh | payload | steps | broadcast p50 (p95) | scatter p50 (p95) | broadcast mean | scatter mean | "
-        "scatter / broadcast (p50)"
-    )
-    return table(header, out)
-
-
-def plot_payloads(plt: Any, delivery: list[dict[str, Any]], path: str) -> None:
-    """p50 per step vs payload for every variant, and the ratios to raw broadcast."""
-    kinds = sorted({r["n_tensors"] for r in delivery})
-    fig, axes = plt.subplots(2, len(kinds), figsize=(6 * len(kinds), 8), squeeze=False)
-    variants = ("loader_p1", "loader_default", "loader_device", "raw", "raw_pair", "per_tensor")
-    for col, n_tensors in enumerate(kinds):
-        rows = [r for r in delivery if r["n_tensors"] == n_tensors]
-        x = [r["payload"] for r in rows]
-        for v in variants:
-            y = [median_p50(r["rounds"][v]) for r in rows]
-            axes[0][col].loglog(x, y, marker="o", label=LABELS[v])
-            if v != "raw":
-                ratios = [ratio(r["rounds"], v, "raw") for r in rows]
-                axes[1][col].semilogx(x, ratios, marker="o", label=f"{LABELS[v]} / raw broadcast")
-        for target in (1.15, 2.0):
-            axes[1][col].axhline(target, color="grey", linestyle=":", linewidth=1)
-        axes[0][col].set(title=f"{n_tensors} tensor(s), 4 ranks, gloo", ylabel="ms per step (p50)")
-        axes[1][col].set(xlabel="payload (bytes)", ylabel="ratio to raw broadcast (p50)")
-        for ax in axes[:, col]:
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_scale(plt: Any, scale: list[dict[str, Any]], path: str) -> None:
-    """Constructor time and 1 KiB step time vs world size."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    worlds = [r["world"] for r in scale]
-    for name in LOADERS:
-        built = [statistics.median(x["construct"] for x in r["rounds"][name]) * 1e3 for r in scale]
-        step = [median_p50([x["steps"] for x in r["rounds"][name]]) for r in scale]
-        axes[0].plot(worlds, built, marker="o", label=LABELS[name])
-        axes[1].plot(worlds, step, marker="o", label=LABELS[name])
-    axes[0].set(xlabel="ranks", ylabel="constructor ms (slowest rank)", title="CollectiveLoader(...)")
-    axes[1].set(xlabel="ranks", ylabel="ms per step (p50)", title="1 KiB batch")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny version, under a minute")
     parser.add_argument("--small-tensors", action="store_true", help="the small-tensor case alone")
     args = parser.parse_args(argv)
     if args.small_tensors:
-        return small_tensors(argv)
+        return delivery_small_tensors.main(argv)
     import matplotlib  # only the parent plots; ranks never import it
 
     matplotlib.use("Agg")
@@ -1036,25 +330,6 @@ def main(argv: list[str] | None = None) -> int:
     run.write(name, "Delivery time (gloo, this machine)", results, markdown(results))
     plot_payloads(plt, results["delivery"], os.path.join(RESULTS, f"{name}_vs_payload.png"))
     plot_scale(plt, results["scale"], os.path.join(RESULTS, f"{name}_scale.png"))
-    return 0
-
-
-def small_tensors(argv: list[str] | None) -> int:
-    """``--small-tensors``: one world, bench/results/delivery_small_tensors.{json,md}."""
-    run = Run("delivery.py", argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "records")
-        code = launch.run(small_tensors_main, (SMALL_ROUNDS, out), math.prod(DELIVERY_MESH[1]), timeout=1800)
-        if code:
-            return code
-        rows = kept(out)[0]
-    results = {"meta": run.meta(rounds=SMALL_ROUNDS, skip=SKIP), "small_tensors": rows}
-    run.write(
-        "delivery_small_tensors",
-        "Six small tensors vs a raw broadcast (gloo, this machine)",
-        results,
-        small_tensors_markdown(rows),
-    )
     return 0
 
 
