@@ -19,20 +19,11 @@ import logging
 
 from collective_loader.delivery.config import LoaderConfig
 from collective_loader.delivery.source import Source
-from collective_loader.errors import (
-    BatchError,
-    CollectiveLoaderError,
-    ConfigMismatchError,
-    ConstructionError,
-    DeliveryError,
-    LeaderError,
-    ShardDownloadError,
-    WireError,
-)
+from collective_loader.errors import BatchError, CollectiveLoaderError, ConstructionError, DeliveryError, LeaderError
 from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.balanced import BalancedDocuments
 from collective_loader.plan.documents import PerDocument
-from collective_loader.plan.mesh import MeshLayout, Place, mesh_place
+from collective_loader.plan.mesh import mesh_place
 from collective_loader.plan.schedules import stage_style_of
 from collective_loader.plan.split import Split
 
@@ -44,18 +35,13 @@ __all__ = [
     "BatchError",
     "CollectiveLoader",
     "CollectiveLoaderError",
-    "ConfigMismatchError",
     "ConstructionError",
     "DeliveryError",
     "LeaderError",
     "LoaderConfig",
-    "MeshLayout",
     "PerDocument",
-    "Place",
-    "ShardDownloadError",
     "Source",
     "Split",
-    "WireError",
     "mesh_place",
     "stage_style_of",
 ]

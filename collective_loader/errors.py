@@ -33,7 +33,7 @@ class ConstructionError(CollectiveLoaderError, ValueError):
     on every rank with that rank's message, so no rank is left waiting in a collective."""
 
 
-class ConfigMismatchError(CollectiveLoaderError, ValueError):
+class ConfigMismatchError(ConstructionError):
     """Ranks constructed the loader with different arguments; raised on every rank."""
 
 

@@ -111,7 +111,7 @@ class CollectiveLoader:
 
     @property
     def place(self) -> Place:
-        """Where this rank sits: replica, leader, stage, shard (see :class:`~collective_loader.Place`)."""
+        """Where this rank sits: replica, leader, stage, shard (see :class:`~collective_loader.plan.mesh.Place`)."""
         return self.settings.place
 
     @property

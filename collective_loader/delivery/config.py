@@ -31,7 +31,7 @@ class LoaderConfig:
     """What a :class:`~collective_loader.CollectiveLoader` delivers, where, and how.
 
     Every rank must build its loader with the same config (checked by digest at construction:
-    :class:`~collective_loader.ConfigMismatchError` otherwise). A value that cannot work raises
+    :class:`~collective_loader.errors.ConfigMismatchError` otherwise). A value that cannot work raises
     ``ValueError`` or ``TypeError`` naming the field when the config is made.
 
     Example::

@@ -55,7 +55,7 @@ def build_settings(make_config: Callable[[], LoaderConfig], mesh: DeviceMesh, co
 
     A config that ``make_config`` refuses, or that cannot run on ``mesh``, raises
     :class:`~collective_loader.ConstructionError` on every rank with the first failing rank's
-    message; ranks with different configs raise :class:`~collective_loader.ConfigMismatchError`.
+    message; ranks with different configs raise :class:`~collective_loader.errors.ConfigMismatchError`.
     """
 
     def derive() -> tuple[LoaderConfig, MeshLayout, Routing, int, torch.device]:

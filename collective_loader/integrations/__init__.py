@@ -6,7 +6,7 @@ TorchTitan's trainer can use in a loop of your own) and Megatron-style ``get_bat
 ``titan_*`` modules; docs/api.md lists their public names.
 """
 
-from collective_loader.integrations.megatron import MegatronBatch, get_batch, megatron_loader
-from collective_loader.integrations.titan import TitanDataLoader, split_labels
+from collective_loader.integrations.megatron import get_batch, megatron_loader
+from collective_loader.integrations.titan import TitanDataLoader
 
-__all__ = ["MegatronBatch", "TitanDataLoader", "get_batch", "megatron_loader", "split_labels"]
+__all__ = ["TitanDataLoader", "get_batch", "megatron_loader"]

@@ -14,8 +14,6 @@ import torch
 from collective_loader.text import TextColumn, lm_collate
 from collective_loader.text.layouts import ColumnLayout
 
-__all__ = ["PACKED_KEYS", "check_columns", "titan_collate", "titan_inputs"]
-
 PACKED_KEYS = {"input_ids": "input", "position_ids": "positions"}  # a packed batch's inputs -> TorchTitan's
 
 

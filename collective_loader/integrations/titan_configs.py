@@ -30,8 +30,6 @@ from torchtitan.trainer import Trainer
 
 from collective_loader.integrations.titan_trainer import load_once_per_replica
 
-__all__ = ["registry_configs"]  # and, through __getattr__, every name registry_configs() lists
-
 
 @functools.cache
 def registry_configs() -> dict[str, str]:

@@ -37,7 +37,7 @@ from collective_loader.streaming.streams import PackedStream, SampleStream
 from collective_loader.text import Balance, MixtureSchedule, Packing, TextColumn, TokenColumn, read_mixture
 from collective_loader.text.layouts import INTEGER_TYPES, ColumnLayout
 
-__all__ = ["GlobalBatch", "TitanStreamingDataLoader", "batch_flag", "mixture_sources", "read_as"]
+__all__ = ["TitanStreamingDataLoader"]
 
 log = logging.getLogger(__name__)
 

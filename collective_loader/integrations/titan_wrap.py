@@ -54,7 +54,7 @@ from collective_loader.integrations.titan import DATA_MESH
 from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.mesh import StageStyle, mesh_place
 
-__all__ = ["NeedsMesh", "ReplicaDataLoader", "Wrapped", "unwrap_dataloader", "with_mesh", "wrap_dataloader"]
+__all__ = ["wrap_dataloader"]
 
 # what a delivered batch holds: TorchTitan's pair, as one mapping every stage receives whole
 INPUT_DICT, LABELS = "input_dict", "labels"

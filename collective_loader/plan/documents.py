@@ -139,7 +139,7 @@ class DocumentKeys:
         other_dims = {k: d for k, d in seq_dims.items() if d != 1}
         if other_dims:
             raise ValueError(
-                f"{me}: seq_dims {other_dims}: the per-document split reads every sequence key as "
+                f"{me}: seq_dims {other_dims}: it reads every sequence key as "
                 "(rows, length, ...) and flattens its rows, so each key's sequence dim must be 1"
             )
         taken = sorted((set(metadata) & set(keys)) - {self.cu_seqlens})
@@ -171,7 +171,7 @@ class DocumentKeys:
         for key, shape in shapes.items():
             if len(shape) < 2:
                 raise BatchError(
-                    f"{key!r} has shape {tuple(batch[key].shape)}; the per-document split needs (rows, length, ...)"
+                    f"{key!r} has shape {tuple(batch[key].shape)}; the {self.owner} split needs (rows, length, ...)"
                 )
         if docs.rows is not None:
             want = (docs.rows, docs.length)

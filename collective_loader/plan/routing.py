@@ -110,7 +110,8 @@ class Routing:
         computed = [k for k in extra if k in self.split.metadata]
         if computed:
             raise BatchError(
-                f"batch has keys {computed}, which the per-document split computes for every rank; drop them in the source"
+                f"batch has keys {computed}, which the {type(self.split).__name__} split computes for every rank; "
+                "drop them in the source"
             )
         if extra:
             raise BatchError(
@@ -129,8 +130,8 @@ class Routing:
     def piece(self, selected: Mapping[str, Any], levels: Sequence[tuple[int, int]]) -> dict[str, Any]:
         """The part of ``selected`` a rank at shard ``levels`` keeps; other keys pass through.
 
-        Under a split that :attr:`~collective_loader.plan.split.Split.reshapes`, also at one shard
-        rank (a per-document split: the rows flattened, the documents padded, the metadata added).
+        Under a split that adds metadata, also at one shard rank (a per-document split: the rows
+        flattened, the documents padded, the metadata added).
         """
         return self.split.piece(selected, self.seq_dims, levels)
 

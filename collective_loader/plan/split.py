@@ -62,17 +62,17 @@ class Split(Protocol):
 
     ``levels`` is a rank's ``(size, index)`` per shard dim, outermost first; ``sizes`` those
     dims' sizes. Every rank of the world must describe its split alike: ``str(split)`` is part of
-    the config the ranks agree on. Example, a split written from scratch::
+    the config the ranks agree on. The checks of :mod:`collective_loader.testing.invariants` ask
+    two more members (its ``Reassembling``: ``reshapes`` and the inverse, ``unshard``), which the
+    package's splits have and the loader never calls. Example, a split written from scratch::
 
         >>> from dataclasses import dataclass
         >>> @dataclass(frozen=True)
         ... class Whole:  # every rank keeps every token: a split that cuts nothing
         ...     metadata = ()
-        ...     reshapes = False
         ...     def validate(self, seq_dims, every_stage, keys): pass
         ...     def check(self, batch, seq_dims, shard_dims): pass
         ...     def piece(self, selected, seq_dims, levels): return dict(selected)
-        ...     def unshard(self, pieces, sizes, dim, batch): return pieces[0]
         ...     def work(self, batch, sizes): return None
         >>> isinstance(Whole(), Split)
         True
@@ -80,10 +80,6 @@ class Split(Protocol):
 
     metadata: ClassVar[tuple[str, ...]]
     """The keys :meth:`piece` adds to every rank's batch; a source must not send them."""
-
-    reshapes: ClassVar[bool]
-    """Whether :meth:`piece` changes a batch even when nothing is cut (one shard rank): a
-    per-document split flattens the rows and adds its metadata there too."""
 
     def validate(self, seq_dims: Mapping[str, int], every_stage: Sequence[str], keys: Sequence[str]) -> None:
         """Raise ``ValueError`` unless the loader's keys fit this split (when the routing is made)."""
@@ -96,15 +92,6 @@ class Split(Protocol):
 
     def piece(self, selected: Mapping[str, Any], seq_dims: Mapping[str, int], levels: Levels) -> dict[str, Any]:
         """What the rank at ``levels`` keeps of ``selected`` (one stage's keys), metadata added."""
-
-    def unshard(
-        self, pieces: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, batch: Mapping[str, Any]
-    ) -> torch.Tensor:
-        """One key's tensor from every rank's piece of it, as one shard rank would keep it.
-
-        ``pieces`` is ordered row-major over the shard dims' indices (outermost slowest), ``dim``
-        is the key's sequence dim, ``batch`` the batch they were cut from (for its boundaries).
-        """
 
     def work(self, batch: Mapping[str, Any], sizes: Sequence[int]) -> ShardWork | None:
         """Each shard rank's work for ``batch`` (the loader's ``stats()``), or ``None`` when this
@@ -126,7 +113,7 @@ class RowSplit:
     name: SplitName
 
     metadata: ClassVar[tuple[str, ...]] = ()
-    reshapes: ClassVar[bool] = False
+    reshapes: ClassVar[bool] = False  # for testing.invariants.Reassembling, as unshard
 
     def __post_init__(self) -> None:
         if self.name not in sharding.SPLITS:

@@ -8,8 +8,6 @@ datasets, a local S3 endpoint. Not used by the library itself.
 * :mod:`~collective_loader.testing.data`: small MDS datasets of known tokens, text and documents;
 * :mod:`~collective_loader.testing.s3_endpoint`: :class:`S3Endpoint`, moto's S3 server on
   localhost, with the requests each client made.
+
+The suite's helpers, not the library's API (none is exported): they may change with the tests.
 """
-
-from collective_loader.testing import data, invariants, launch, s3_endpoint
-
-__all__ = ["data", "invariants", "launch", "s3_endpoint"]

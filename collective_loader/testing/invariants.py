@@ -19,13 +19,33 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from collective_loader.plan.routing import Routing
+from collective_loader.plan.split import Split
+
+
+@runtime_checkable
+class Reassembling(Split, Protocol):
+    """A :class:`~collective_loader.plan.split.Split` these checks can reassemble: the two members
+    only they read (the package's splits have both; the loader needs neither)."""
+
+    reshapes: ClassVar[bool]
+    """Whether ``piece`` changes a batch even when nothing is cut (one shard rank): a
+    per-document split flattens the rows and adds its metadata there too."""
+
+    def unshard(
+        self, pieces: Sequence[torch.Tensor], sizes: Sequence[int], dim: int, batch: Mapping[str, Any]
+    ) -> torch.Tensor:
+        """One key's tensor from every rank's piece of it, as one shard rank would keep it.
+
+        ``pieces`` is ordered row-major over the shard dims' indices (outermost slowest), ``dim``
+        is the key's sequence dim, ``batch`` the batch they were cut from (for its boundaries).
+        """
 
 
 @dataclass
@@ -55,8 +75,14 @@ def check(
 ) -> list[Verdict]:
     """Run checks (a)-(e); ``id_key`` must be delivered to first and last stages.
 
-    ``all_ids`` is the set of sample ids the replicas together must cover exactly once.
+    ``all_ids`` is the set of sample ids the replicas together must cover exactly once. The
+    routing's split must be :class:`Reassembling` (``TypeError`` otherwise).
     """
+    if not isinstance(routing.split, Reassembling):
+        raise TypeError(
+            f"the checks reassemble each step's pieces: {type(routing.split).__qualname__} needs reshapes and "
+            "unshard (testing.invariants.Reassembling) besides the Split protocol"
+        )
     records = list(records)
     problems: dict[str, list[str]] = defaultdict(list)
     counts = {len(r.steps) for r in records}
@@ -113,6 +139,7 @@ def _check_step(
     ids = list(all_sets.pop())
     full = expected(ids)
     split = routing.split
+    assert isinstance(split, Reassembling)  # check() refused any other
     pieces: dict[str, dict[tuple[int, ...], torch.Tensor]] = defaultdict(dict)
     for rec in recs:
         if rec.stage == "middle" and not routing.every_stage:

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from world import World
 
-from collective_loader import CollectiveLoader, ConstructionError, MeshLayout, mesh_place
+from collective_loader import CollectiveLoader, ConstructionError, mesh_place
+from collective_loader.plan.mesh import MeshLayout
 
 MESH = (("pp", "dp"), (4, 2))
 STEPS = 5  # batches per replica: 20 samples, 2 replicas, 2 per batch

@@ -217,7 +217,7 @@ def test_the_computed_keys_are_refused_in_the_batch_and_in_the_keys():
     routing = Routing(("ids",), (), {"ids": 1}, split, (("cp", 2),), ("cu",))
     batch = {"ids": torch.zeros(1, 4), "cu": torch.tensor([0, 4]), "split_cu_seqlens": torch.tensor([0, 4])}
     with pytest.raises(
-        BatchError, match=r"batch has keys \['split_cu_seqlens'\], which the per-document split computes"
+        BatchError, match=r"batch has keys \['split_cu_seqlens'\], which the BalancedDocuments split computes"
     ):
         routing.check(batch)
 

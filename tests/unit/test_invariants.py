@@ -155,3 +155,35 @@ def test_per_document_metadata_is_checked_on_every_stage():
     labels[0, int((labels[0] != -100).nonzero()[0])] = -100  # a valid label lost
     last.steps[0]["labels"] = labels
     assert "(c)" in _failed_per_document(records, routing)
+
+
+def test_a_split_without_the_checks_members_is_refused_by_name():
+    """A split that implements only the loader's protocol works in a loader; the checks, which
+    reassemble pieces, refuse it by name instead of failing on a missing attribute."""
+    from dataclasses import dataclass
+
+    from collective_loader import Split
+    from collective_loader.testing.invariants import Reassembling
+
+    @dataclass(frozen=True)
+    class Whole:
+        metadata = ()
+
+        def validate(self, seq_dims, every_stage, keys):
+            pass
+
+        def check(self, batch, seq_dims, shard_dims):
+            pass
+
+        def piece(self, selected, seq_dims, levels):
+            return dict(selected)
+
+        def work(self, batch, sizes):
+            return None
+
+    assert isinstance(Whole(), Split) and not isinstance(Whole(), Reassembling)
+    assert isinstance(RowSplit("zigzag"), Reassembling) and isinstance(PerDocument(cu_seqlens="c"), Reassembling)
+    records, _ = _records()
+    routing = Routing(KEYS["inputs"], KEYS["labels"], KEYS["seq_dims"], Whole(), (("cp", 2),))
+    with pytest.raises(TypeError, match="Whole needs reshapes and unshard"):
+        check(records, routing, lambda ids: sample_batch(ids, SEQ, False), range(N))

@@ -267,7 +267,7 @@ def test_sequence_keys_must_match_the_boundaries():
 def test_computed_keys_in_the_batch_are_refused_by_name():
     routing = routing_for("cu_seqlens_flat", (("cp", 2),))
     batch = make_batch([[3, 5]], 8, "cu_seqlens_flat") | {"max_seqlen": 5}
-    with pytest.raises(BatchError, match=r"\['max_seqlen'\], which the per-document split computes"):
+    with pytest.raises(BatchError, match=r"\['max_seqlen'\], which the PerDocument split computes"):
         routing.check(batch)
 
 
