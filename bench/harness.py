@@ -8,6 +8,7 @@ on ``sys.path``; spawned ranks inherit that path).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import json
@@ -248,6 +249,30 @@ def export(rev: str, into: str) -> str:
     archive = subprocess.run(["git", "-C", REPO, "archive", rev, "collective_loader"], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
     return into
+
+
+@contextlib.contextmanager
+def first_on_path(path: str | None) -> Iterator[None]:
+    """Spawned ranks import ``collective_loader`` from ``path`` (they get the parent's ``sys.path``)."""
+    if path is None:
+        yield
+        return
+    sys.path.insert(0, path)
+    try:
+        yield
+    finally:
+        sys.path.remove(path)
+
+
+def describe(rev: str) -> str:
+    """``rev`` as ``<short hash> <date>``, to name a version in a report."""
+    out = subprocess.run(
+        ["git", "-C", REPO, "log", "-1", "--format=%h %ad", "--date=short", rev],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip()
 
 
 # --- sources and sizes ----------------------------------------------------------------------------
