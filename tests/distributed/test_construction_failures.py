@@ -47,6 +47,16 @@ class _PartialSource:
         pass
 
 
+class _ElsewhereSource:
+    """A source callable that placed the leaders itself (``PlacesLeaders``), on ranks the loader
+    does not use: built on every rank, refused on every rank before any leader calls it."""
+
+    leaders = (0, 1)
+
+    def __call__(self):
+        raise AssertionError("a source placed elsewhere must not be built")
+
+
 def build(phase: str, data: str) -> dict:
     mesh = ranks.make_mesh(*MESH)
     me = dist.get_rank()
@@ -66,6 +76,8 @@ def build(phase: str, data: str) -> dict:
         elif phase == "partial":  # one leader's source has part of the Source protocol only
             source = _PartialSource if me == FAILING else (lambda: [])
             CollectiveLoader(source, mesh, inputs=INPUTS, labels=LABELS, timeout=TIMEOUT)
+        elif phase == "places_leaders":  # every rank: a source whose leaders are not the loader's
+            CollectiveLoader(_ElsewhereSource(), mesh, inputs=INPUTS, labels=LABELS, timeout=TIMEOUT)
         elif phase == "source":
 
             def source():
@@ -95,6 +107,11 @@ def build(phase: str, data: str) -> dict:
         ("option", ConstructionError, f"rank {FAILING} could not build CollectiveLoader: TypeError: "),
         ("config", ConstructionError, "give a LoaderConfig or its fields as keywords, not both"),
         ("source", LeaderError, f"leader rank {FAILING} could not build its source: OSError: no such bucket"),
+        (
+            "places_leaders",
+            ConstructionError,
+            "ValueError: the source places the replicas' leaders on ranks [0, 1], the loader on [0, 2]",
+        ),
         (
             "partial",
             LeaderError,
