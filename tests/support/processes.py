@@ -1,7 +1,9 @@
-"""A command run in a session of its own, killed whole when it runs past its time."""
+"""A command run in a session of its own, killed whole (every process it started, in whatever
+session) when it runs past its time."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,10 +11,65 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def _stat(pid: int) -> tuple[int, int] | None:
+    """``(parent pid, session id)`` of ``pid`` from ``/proc``; ``None`` once it has gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[3])
+
+
+def tree(pid: int) -> set[int]:
+    """``pid`` and every process descended from it, and every process of a session one of them
+    leads: torchrun starts each rank in a session of its own, so the agent's process group does
+    not reach them, and a process whose parent has exited is no longer anyone's child, but it
+    stays in its session."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
+            stats[int(entry)] = stat
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p in found:
+            continue
+        found.add(p)
+        todo += [q for q, (ppid, sid) in stats.items() if ppid == p or sid == p]
+    return found
+
+
+def kill_tree(pid: int) -> set[int]:
+    """SIGKILL ``pid`` and everything :func:`tree` finds. Each process is stopped (SIGSTOP) first,
+    until no new one appears, so that none starts another or is orphaned out of sight meanwhile.
+    Returns the pids it signalled."""
+    stopped: set[int] = set()
+    while new := tree(pid) - stopped:
+        for p in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+        stopped |= new
+    for p in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    return stopped
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie, not yet reaped by its parent, has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 def run_group(cmd: Sequence[str], timeout: float, **popen: Any) -> tuple[int, str, str]:
     """``(returncode, stdout, stderr)`` of ``cmd``, its output captured as text. Past ``timeout``
-    seconds the whole session is killed (the command and every rank it started, which a plain
-    ``subprocess.run(timeout=...)`` would leave running) and ``TimeoutExpired`` raised.
+    seconds every process it started is killed (:func:`kill_tree`: the command, torchrun's ranks
+    in their own sessions, their DataLoader workers; a plain ``subprocess.run(timeout=...)``
+    kills the command alone) and ``TimeoutExpired`` raised, with the output up to the kill.
 
     >>> run_group(["python", "-c", "print('hi')"], timeout=30)[:2]
     (0, 'hi\\n')
@@ -22,8 +79,8 @@ def run_group(cmd: Sequence[str], timeout: float, **popen: Any) -> tuple[int, st
     )
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    except subprocess.TimeoutExpired as e:
+        kill_tree(proc.pid)
+        e.output, e.stderr = proc.communicate()
         raise
     return proc.returncode, out, err
