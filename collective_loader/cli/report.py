@@ -9,7 +9,7 @@ from typing import Any
 
 from collective_loader.cli.args import DemoArgs
 from collective_loader.cli.naive import replication
-from collective_loader.plan.mesh import MeshLayout, group_count
+from collective_loader.plan.mesh import MeshLayout, Stage, group_count
 from collective_loader.plan.routing import Routing
 from collective_loader.testing import invariants
 from collective_loader.testing.data import expected
@@ -27,7 +27,7 @@ def samples_per_replica(records: list[invariants.RankRecord]) -> dict[int, int]:
     hold sample ids (a leader may sit on the last stage, which gets labels only)."""
     counted: dict[int, int] = {}
     for rec in sorted(records, key=lambda r: r.rank):
-        if rec.stage in ("first", "both") and rec.dp_rank not in counted:
+        if rec.stage in (Stage.FIRST, Stage.BOTH) and rec.dp_rank not in counted:
             counted[rec.dp_rank] = sum(len(b["sample_id"]) for b in rec.steps)
     return dict(sorted(counted.items()))
 
@@ -36,9 +36,9 @@ def label_mismatch(stage_of: dict[int, str], dp_of: dict[int, int], ids: dict[in
     """(mismatched, total) (replica, last-stage rank, step) triples: labels from other samples."""
     bad = total = 0
     for rank, stage in stage_of.items():
-        if stage != "last":
+        if stage != Stage.LAST:
             continue
-        first = next(r for r, s in stage_of.items() if s == "first" and dp_of[r] == dp_of[rank])
+        first = next(r for r, s in stage_of.items() if s == Stage.FIRST and dp_of[r] == dp_of[rank])
         for got, want in zip(ids[rank], ids[first]):
             total += 1
             bad += got != want
@@ -106,7 +106,7 @@ def report(
     print(f"{'rank':>4}  {'coords':<{width}} {'role':<32} first batch received")
     for record, coords, is_leader, *_ in ours:
         where = " ".join(f"{n}={c}" for n, c in zip(a.dims, coords))
-        role = ("leader, " if is_leader else "") + {"both": "all stages"}.get(record.stage, f"{record.stage} stage")
+        role = ("leader, " if is_leader else "") + {Stage.BOTH: "all stages"}.get(record.stage, f"{record.stage} stage")
         role += f", dp_rank {record.dp_rank}"
         print(f"{record.rank:>4}  {where:<{width}} {role:<32} {_describe(record.steps[0] if record.steps else {})}")
     per_replica = samples_per_replica(records)
@@ -126,7 +126,7 @@ def report(
     print("\nverdict:")
     for v in checks:
         print(f"  [{'ok' if v.ok else 'FAIL'}] {v.name}" + (f": {v.detail}" if v.detail else ""))
-    stage_of = {rec.rank: ("first" if rec.stage == "both" else rec.stage) for rec in records}
+    stage_of = {rec.rank: (Stage.FIRST if rec.stage == Stage.BOTH else rec.stage) for rec in records}
     dp_of = {rec.rank: rec.dp_rank for rec in records}
     our_ids = {rec.rank: [b["sample_id"].tolist() if b else None for b in rec.steps] for rec in records}
     naive_by_rank = dict(enumerate(naive))

@@ -14,7 +14,7 @@ calls :meth:`Mode.pack`, :meth:`Mode.send` and :meth:`Mode.hand_over` on the lea
 
 Example (what a 2-rank CPU world's host broadcast channel packs)::
 
-    mode = mode_for(settings, settings.groups.channels["first"], stream=None)
+    mode = mode_for(settings, settings.groups.channels[Stage.FIRST], stream=None)
     packed = mode.pack(step, batch)    # leader: the message, and its own batch
     mode.send(packed)                  # leader: one broadcast (and one per large tensor)
     item = mode.receive(step, header, payload)   # the other rank
@@ -35,6 +35,7 @@ from collective_loader.delivery.settings import Settings
 from collective_loader.delivery.transport import Channel
 from collective_loader.errors import BatchError, DeliveryError
 from collective_loader.plan import wire
+from collective_loader.plan.mesh import Stage
 from collective_loader.plan.wire import Header, Kind
 from collective_loader.types import Batch
 
@@ -145,8 +146,10 @@ class Mode(ABC):
 
     def _stage(self, batch: Mapping[str, Any]) -> Batch:
         """The keys of ``batch`` this channel's stage gets."""
-        name = self.channel.name
-        return self.settings.routing.select(batch, "both" if name == "first" and self.place.first_is_last else name)
+        stage = Stage(self.channel.name)
+        return self.settings.routing.select(
+            batch, Stage.BOTH if stage == Stage.FIRST and self.place.first_is_last else stage
+        )
 
 
 class _Broadcast(Mode):

@@ -44,6 +44,7 @@ from collective_loader.delivery.transport import Channel
 from collective_loader.delivery.watchdog import StallWatch
 from collective_loader.errors import BatchError, DeliveryError, WireError
 from collective_loader.plan import wire
+from collective_loader.plan.mesh import Stage
 from collective_loader.plan.wire import Kind
 
 log = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ class LeaderStep(_Step):
         """The leader's own batch of a delivered step (from its stage's channel) and, with the
         device transport, the tensor bytes the training thread will send (:func:`post`)."""
         item = Item(Kind.DATA, step, source_state=state)
-        own = "first" if self.place.stage == "both" else self.place.stage  # the leader's stage group
+        own = Stage.FIRST if self.place.stage == Stage.BOTH else self.place.stage  # the leader's stage group
         for name, mode in self._modes.items():
             mode.hand_over(item, packed[name], own=name == own)
         return item

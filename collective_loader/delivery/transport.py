@@ -31,7 +31,7 @@ import torch.distributed as dist
 from collective_loader.delivery.buffers import BufferPool
 from collective_loader.delivery.bulletin import Bulletin, Readers, hosts_job_store
 from collective_loader.plan import wire
-from collective_loader.plan.mesh import MeshLayout, Place
+from collective_loader.plan.mesh import MeshLayout, Place, Stage
 from collective_loader.plan.wire import Header, Kind
 
 Transport = Literal["host", "device"]
@@ -92,7 +92,7 @@ class Channel:
     every member.
     """
 
-    name: str
+    name: str  # a stage's group (first, last, middle), or the whole "replica"
     ranks: tuple[int, ...]
     leader: int
     group: dist.ProcessGroup
@@ -248,7 +248,7 @@ class Groups:
 
     control: dist.ProcessGroup  # gloo, every mesh rank
     leaders: dist.ProcessGroup | None  # gloo, the replicas' leaders (dp > 1, leaders only)
-    channels: dict[str, Channel]  # this rank's delivery groups by name (first / last / middle)
+    channels: dict[Stage, Channel]  # this rank's delivery groups by stage (first / last / middle)
     replica: Channel | None  # gloo, the replica's ranks in delivery: the leader shares the loader's state
     bulletin: Bulletin | None  # the replica's ranks outside delivery read it, its leader posts on it
     readers: Readers | None  # every rank outside delivery, on them and on the job store's host
@@ -330,13 +330,13 @@ def build_groups(
 
     leader_ranks = layout.leaders()
     leaders = make(sorted(leader_ranks), "gloo", "leaders") if len(leader_ranks) > 1 else None
-    channels: dict[str, Channel] = {}
+    channels: dict[Stage, Channel] = {}
     mine: Channel | None = None
     bulletin: Bulletin | None = None
     outside_ranks: list[int] = []
     warm: list[tuple[dist.ProcessGroup, int]] = []
     for replica in layout.replica_groups():
-        destinations = [(name, ranks) for name, ranks in replica.all() if name != "middle" or middle_data]
+        destinations = [(name, ranks) for name, ranks in replica.all() if name != Stage.MIDDLE or middle_data]
         delivered = tuple(sorted({rank for _, ranks in destinations for rank in ranks}))
         outside = replica.middle is not None and not middle_data
         if outside:

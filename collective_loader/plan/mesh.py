@@ -34,6 +34,7 @@ tuple of global ranks that contains the leader:
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import math
@@ -54,6 +55,22 @@ DEFAULT_PLACEMENT: Placement = "spread"
 # which pp ranks hold the first and the last stage (see the module docstring)
 StageStyle = Literal["loop", "v"]
 STAGE_STYLES: tuple[StageStyle, ...] = ("loop", "v")
+
+
+class Stage(enum.StrEnum):
+    """What a rank's pipeline stage receives: the first stage's keys (the inputs), the last
+    stage's (the labels), both (one stage, or pp rank 0 under the ``"v"`` style), or the middle
+    stages' (only ``every_stage`` keys). A ``str``, so ``place.stage == "last"`` reads as before.
+
+    >>> Stage.BOTH == "both", str(Stage.MIDDLE)
+    (True, 'middle')
+    """
+
+    FIRST = "first"
+    LAST = "last"
+    BOTH = "both"
+    MIDDLE = "middle"
+
 
 DEFAULT_ROLES: dict[str, Role] = {
     "dp": "data",
@@ -83,9 +100,9 @@ class ReplicaGroups:
     last: tuple[int, ...] | None
     middle: tuple[int, ...] | None
 
-    def all(self) -> list[tuple[str, tuple[int, ...]]]:
-        """``(name, ranks)`` of the stage groups that exist, in the order they are created."""
-        named = [("first", self.first), ("last", self.last), ("middle", self.middle)]
+    def all(self) -> list[tuple[Stage, tuple[int, ...]]]:
+        """``(stage, ranks)`` of the stage groups that exist, in the order they are created."""
+        named = [(Stage.FIRST, self.first), (Stage.LAST, self.last), (Stage.MIDDLE, self.middle)]
         return [(name, ranks) for name, ranks in named if ranks is not None]
 
 
@@ -94,8 +111,7 @@ class Place:
     """Where one rank sits in the mesh and what it needs.
 
     ``shard`` lists ``(size, index)`` for every shard dim in mesh order (outermost first).
-    ``stage`` is one of ``"first"``, ``"last"``, ``"both"`` (one stage, or pp rank 0 under the
-    ``"v"`` stage style) or ``"middle"``.
+    ``stage`` is its :class:`Stage`.
     """
 
     rank: int
@@ -126,14 +142,14 @@ class Place:
         return last_stage_rank(self.pp_size, self.stage_style) == 0
 
     @property
-    def stage(self) -> str:
+    def stage(self) -> Stage:
         if self.is_first_stage and self.is_last_stage:
-            return "both"
+            return Stage.BOTH
         if self.is_first_stage:
-            return "first"
+            return Stage.FIRST
         if self.is_last_stage:
-            return "last"
-        return "middle"
+            return Stage.LAST
+        return Stage.MIDDLE
 
 
 @dataclass(frozen=True)
@@ -146,7 +162,7 @@ class MeshLayout:
 
         >>> layout = MeshLayout.build(("pp", "dp", "tp"), (2, 2, 2), range(8))
         >>> layout.place(5).dp_rank, layout.place(5).leader, layout.place(5).stage
-        (0, 0, 'last')
+        (0, 0, <Stage.LAST: 'last'>)
         >>> layout.replica_groups()[0].last
         (0, 4, 5)
         >>> layout.leaders()  # "spread": replica 1's leader is on the last stage
@@ -155,7 +171,7 @@ class MeshLayout:
         (2, 3, 6)
         >>> v = MeshLayout.build(("pp", "dp", "tp"), (2, 2, 2), range(8), stage_style="v")
         >>> v.place(0).stage, v.place(4).stage, v.leaders()  # the loss is on pp rank 0 too
-        ('both', 'middle', (0, 2))
+        (<Stage.BOTH: 'both'>, <Stage.MIDDLE: 'middle'>, (0, 2))
     """
 
     dim_names: tuple[str, ...]

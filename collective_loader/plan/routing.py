@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from collective_loader.errors import BatchError
+from collective_loader.plan.mesh import Stage
 from collective_loader.plan.split import ShardWork, Split
 
 
@@ -89,13 +90,13 @@ class Routing:
         return tuple(dict.fromkeys(self.inputs + self.labels + self.every_stage))
 
     @cached_property
-    def _stage_keys(self) -> dict[str, frozenset[str]]:
+    def _stage_keys(self) -> dict[Stage, frozenset[str]]:
         """The keys each stage receives (see :meth:`select`); looked up once per step and stage."""
         return {
-            "first": frozenset(self.inputs + self.every_stage),
-            "last": frozenset(self.labels + self.every_stage),
-            "both": frozenset(self.keys),
-            "middle": frozenset(self.every_stage),
+            Stage.FIRST: frozenset(self.inputs + self.every_stage),
+            Stage.LAST: frozenset(self.labels + self.every_stage),
+            Stage.BOTH: frozenset(self.keys),
+            Stage.MIDDLE: frozenset(self.every_stage),
         }
 
     def check(self, batch: Any) -> None:
@@ -105,7 +106,7 @@ class Routing:
         missing = [k for k in self.keys if k not in batch]
         if missing:
             raise BatchError(f"batch is missing keys {missing} (it has {sorted(map(str, batch))})")
-        known = self._stage_keys["both"]
+        known = self._stage_keys[Stage.BOTH]
         extra = [k for k in batch if k not in known]
         computed = [k for k in extra if k in self.split.metadata]
         if computed:
@@ -122,8 +123,8 @@ class Routing:
             _check_seq_value(key, dim, batch[key])
         self.split.check(batch, self.seq_dims, self.shard_dims)
 
-    def select(self, batch: Mapping[str, Any], stage: str) -> dict[str, Any]:
-        """The keys a stage (``first``, ``last``, ``both``, ``middle``) receives, in batch order."""
+    def select(self, batch: Mapping[str, Any], stage: Stage) -> dict[str, Any]:
+        """The keys a stage receives, in batch order."""
         wanted = self._stage_keys[stage]
         return {k: v for k, v in batch.items() if k in wanted}
 

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from collective_loader.plan.mesh import Stage
 from collective_loader.plan.routing import Routing
 from collective_loader.plan.split import Split
 
@@ -54,7 +55,7 @@ class RankRecord:
 
     rank: int
     dp_rank: int
-    stage: str  # "first", "last", "both" or "middle"
+    stage: Stage
     shard: tuple[tuple[int, int], ...]
     steps: list[dict[str, Any]] = field(default_factory=list)
 
@@ -126,7 +127,7 @@ def _check_step(
     ids_by_stage: dict[str, set[tuple[int, ...]]] = defaultdict(set)
     for rec in recs:
         batch = rec.steps[step]
-        if rec.stage == "middle" and not routing.every_stage:
+        if rec.stage == Stage.MIDDLE and not routing.every_stage:
             if batch:
                 problems["e"].append(f"{where}: middle-stage rank {rec.rank} got keys {sorted(batch)}")
             continue
@@ -142,12 +143,12 @@ def _check_step(
     assert isinstance(split, Reassembling)  # check() refused any other
     pieces: dict[str, dict[tuple[int, ...], torch.Tensor]] = defaultdict(dict)
     for rec in recs:
-        if rec.stage == "middle" and not routing.every_stage:
+        if rec.stage == Stage.MIDDLE and not routing.every_stage:
             continue
         batch = rec.steps[step]
         want_batch = routing.piece(routing.select(full, rec.stage), rec.shard)
         if set(batch) != set(want_batch):
-            problems["e" if rec.stage == "middle" else "a"].append(
+            problems["e" if rec.stage == Stage.MIDDLE else "a"].append(
                 f"{where}: rank {rec.rank} ({rec.stage}) got keys {sorted(batch)}, want {sorted(want_batch)}"
             )
             continue
