@@ -137,12 +137,14 @@ class Mode(ABC):
         :meth:`Channel.recv` received)."""
 
     def _message(self, step: int, batch: Mapping[str, Any]) -> tuple[torch.Tensor, Header, Batch, wire.Encoded]:
-        """``(message, header, the batch as the leader holds it: views of the message, its plan)``."""
-        plan = wire.encode(batch, self.apart_min)
+        """``(message, header, the batch as the leader holds it: views of the message, its encoding)``."""
+        encoded = wire.encode(batch, self.apart_min)
         limit = self.settings.config.max_batch_bytes
-        if plan.nbytes > limit:
-            raise BatchError(f"a {self.channel.name}-stage payload is {plan.nbytes} bytes; max_batch_bytes is {limit}")
-        return (*self.channel.message(Kind.DATA, step, plan), plan)
+        if encoded.nbytes > limit:
+            raise BatchError(
+                f"a {self.channel.name}-stage payload is {encoded.nbytes} bytes; max_batch_bytes is {limit}"
+            )
+        return (*self.channel.message(Kind.DATA, step, encoded), encoded)
 
     def _stage(self, batch: Mapping[str, Any]) -> Batch:
         """The keys of ``batch`` this channel's stage gets."""
@@ -156,9 +158,9 @@ class _Broadcast(Mode):
     """One message for every member; each takes its own piece of the whole batch."""
 
     def pack(self, step: int, batch: Mapping[str, Any]) -> Packed:
-        message, header, own, plan = self._message(step, self._stage(batch))
-        assert plan.layout is not None
-        return Packed([message], header, self.piece(own), plan.layout, apart=plan.apart)
+        message, header, own, encoded = self._message(step, self._stage(batch))
+        assert encoded.layout is not None
+        return Packed([message], header, self.piece(own), encoded.layout, apart=encoded.apart)
 
     def piece(self, batch: Batch) -> Batch:
         return self.settings.routing.piece(batch, self.place.shard)
@@ -180,9 +182,9 @@ class _Scatter(Mode):
         headers = {(h.payload_nbytes, h.meta_nbytes) for _, h, _, _ in by_levels.values()}
         assert len(headers) == 1, headers  # equal shapes per shard, so equal sizes
         messages = [by_levels[levels][0] for levels in self._member_levels]
-        _, header, own, plan = by_levels[self.place.shard]
-        assert plan.layout is not None
-        return Packed(messages, header, own, plan.layout, mine=ranks.index(self.place.rank))
+        _, header, own, encoded = by_levels[self.place.shard]
+        assert encoded.layout is not None
+        return Packed(messages, header, own, encoded.layout, mine=ranks.index(self.place.rank))
 
     @functools.cached_property
     def _member_levels(self) -> list[tuple[tuple[int, int], ...]]:

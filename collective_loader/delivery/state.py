@@ -32,12 +32,12 @@ def share_state(settings: Settings, state: Mapping[str, Any], index: int) -> dic
         return bulletin.read_state(index)
     if place.is_leader:
         try:
-            plan = wire.encode(state)
+            encoded = wire.encode(state)
         except BatchError as e:  # the replica waits for this message: send it the error instead
             text = f"leader rank {place.rank} cannot send its loader state to its replica: {e}"
             channel.send_encoded(Kind.BATCH_ERROR, state["steps"], wire.encode({"message": text}))
             raise BatchError(text) from e
-        channel.send_encoded(Kind.DATA, state["steps"], plan)
+        channel.send_encoded(Kind.DATA, state["steps"], encoded)
         if bulletin is not None:
             bulletin.post_state(index, state)
         return dict(state)

@@ -117,24 +117,24 @@ class Channel:
             return self.pool.take(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def message(self, kind: Kind, step: int, plan: wire.Encoded) -> tuple[torch.Tensor, Header, dict[str, Any]]:
+    def message(self, kind: Kind, step: int, encoded: wire.Encoded) -> tuple[torch.Tensor, Header, dict[str, Any]]:
         """Leader: ``(host buffer, header, batch)`` of the message announcing ``kind`` with
-        ``plan``; ``batch`` is the plan's batch as the leader holds it (see
+        ``encoded``; ``batch`` is the encoded batch as the leader holds it (see
         :meth:`~collective_loader.plan.wire.Encoded.write`)."""
-        header = plan.header(kind, step)
+        header = encoded.header(kind, step)
         buf = self.buffer(wire.HEADER_BYTES + header.inline_nbytes)
-        return buf, header, plan.write(buf, kind, step)
+        return buf, header, encoded.write(buf, kind, step)
 
-    def send_encoded(self, kind: Kind, step: int, plan: wire.Encoded = wire.NOTHING) -> None:
+    def send_encoded(self, kind: Kind, step: int, encoded: wire.Encoded = wire.NOTHING) -> None:
         """Leader: build one message and send it to every member over gloo."""
-        buf, header, _ = self.message(kind, step, plan)
+        buf, header, _ = self.message(kind, step, encoded)
         self.send(buf, header)
 
     def send(
         self, message: torch.Tensor | Sequence[torch.Tensor], header: Header, apart: Sequence[torch.Tensor] = ()
     ) -> None:
         """Leader: send a message (from :meth:`message`) over gloo, then each tensor that travels
-        apart (``apart``: the plan's, as bytes) in a broadcast of its own.
+        apart (``apart``: the encoded batch's, as bytes) in a broadcast of its own.
 
         With the device transport a DATA message's tensor bytes stay behind (they follow with
         :meth:`post_data`). On a scattered channel ``message`` may be a list, the i-th for the
