@@ -36,183 +36,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import math
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
-from harness import (  # bench/harness.py: run as python bench/<name>.py
-    Run,
-    cpu_seconds,
-    keep,
-    peak_rss_bytes,
-    rank_table,
-    rss_bytes,
-    runs_of,
-    worlds_in_rounds,
-)
+from harness import Run, cpu_seconds, keep, rank_table, runs_of, worlds_in_rounds  # bench/: python bench/<name>.py
+from loading_ranks import FULL, QUICK, VARIANTS, Collate, Settings, check_coverage, in_world, rank_main, write_dataset
+from loading_remote import remote_markdown, remote_rounds
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils.data import DataLoader
 
 from collective_loader import CollectiveLoader
-from collective_loader.plan.mesh import MeshLayout
 from collective_loader.streaming import StreamingSource
-from collective_loader.streaming.cleanup import release
-from collective_loader.testing import launch
-from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
-
-MESH = (("dp", "pp", "tp"), (2, 2, 2))
-REPLICATION = 4  # pp x tp: the ranks of one replica, adjacent in this mesh order
-VOCAB = 32000
-VOCAB_ENTRIES = 200_000
-WORDS = [f"w{i:x}{'abcdefgh'[i % 8] * (i % 7)}" for i in range(5000)]
-VARIANTS = ("collective_loader", "every_rank_loads")
-REMOTE_CASES = tuple((data, v) for data in ("local", "remote") for v in VARIANTS)
-REMOTE_LATENCY = 0.05  # seconds before each object GET: an object store's time to first byte, not a disk's
-BUCKET, PREFIX = "bench", "mds"
-UPLOAD = "upload"  # --remote: the client name of this process, which uploads (the ranks name themselves)
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    samples: int
-    words_per_sample: int
-    seq_len: int
-    batch_size: int  # per replica
-    rounds: int
-    data: str = ""
-    out: str = ""  # the records' path (harness.keep): every rank keeps one per world
-
-
-FULL = Settings(samples=4096, words_per_sample=600, seq_len=512, batch_size=8, rounds=2)
-QUICK = Settings(samples=512, words_per_sample=300, seq_len=128, batch_size=8, rounds=1)
-
-
-# --- the data and its transform -----------------------------------------------------------------
-
-
-def write_dataset(out: str, s: Settings) -> None:
-    """MDS shards with columns ``text`` (str) and ``id``."""
-    from streaming import MDSWriter
-
-    rng = np.random.default_rng(0)
-    with MDSWriter(out=out, columns={"text": "str", "id": "int"}, size_limit=1 << 20) as writer:
-        for i in range(s.samples):
-            words = rng.integers(0, len(WORDS), s.words_per_sample)
-            writer.write({"text": " ".join(WORDS[w] for w in words), "id": i})
-
-
-_VOCAB_TABLE: dict[str, int] = {}
-
-
-def vocab_table() -> dict[str, int]:
-    """A word -> id table of ``VOCAB_ENTRIES`` entries, built once per process that tokenizes
-    (as a real tokenizer loads its vocabulary and merges): the memory every loading rank holds."""
-    if not _VOCAB_TABLE:
-        _VOCAB_TABLE.update((f"{word}{i}", i % VOCAB) for i, word in enumerate(WORDS * (VOCAB_ENTRIES // len(WORDS))))
-    return _VOCAB_TABLE
-
-
-def tokenize(text: str, length: int) -> list[int]:
-    """``length`` token ids from ``text``: every byte of every word hashed (the CPU work per
-    sample), then looked up in the vocabulary table."""
-    table, ids = vocab_table(), []
-    for word in text.split():
-        h = 7
-        for byte in word.encode():
-            h = (h * 131 + byte) % VOCAB
-        ids.append(table.get(f"{word}{h % 40}", h))
-    return (ids + [0] * length)[:length]
-
-
-def tokenize_collate(samples: list[dict[str, Any]], seq_len: int) -> dict[str, torch.Tensor]:
-    """Samples -> ``input_ids``, ``labels`` (shifted by one), ``position_ids``, ``sample_id``."""
-    tokens = torch.tensor([tokenize(s["text"], seq_len + 1) for s in samples], dtype=torch.int64)
-    return {
-        "input_ids": tokens[:, :-1].contiguous(),
-        "labels": tokens[:, 1:].contiguous(),
-        "position_ids": torch.arange(seq_len).expand(len(samples), seq_len).contiguous(),
-        "sample_id": torch.tensor([int(s["id"]) for s in samples]),
-    }
-
-
-class Collate:
-    """A picklable collate with the sequence length bound."""
-
-    def __init__(self, seq_len: int) -> None:
-        self.seq_len = seq_len
-
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return tokenize_collate(samples, self.seq_len)
-
-
-# --- one rank -----------------------------------------------------------------------------------
-
-
-def drain(batches: Iterable[dict[str, Any]], start: float) -> tuple[list[int], float]:
-    """Every batch's sample ids, and the seconds from ``start`` until the first batch was in hand."""
-    ids: list[int] = []
-    first = math.nan
-    for batch in batches:
-        if math.isnan(first):
-            first = time.perf_counter() - start
-        ids += batch.get("sample_id", torch.empty(0)).tolist()
-    return ids, first
-
-
-def epoch_collective(s: Settings, mesh: Any, where: dict[str, str], start: float) -> tuple[list[int], float]:
-    source = StreamingSource(mesh, **where, batch_size=s.batch_size, collate=Collate(s.seq_len), shuffle=False)
-    loader = CollectiveLoader(
-        source, mesh, inputs=("input_ids", "position_ids", "sample_id"), labels=("labels", "sample_id")
-    )
-    ids, first = drain(loader, start)
-    loader.close()
-    return ids, first
-
-
-def epoch_every_rank(s: Settings, mesh: Any, where: dict[str, str], start: float) -> tuple[list[int], float]:
-    from streaming import StreamingDataset
-
-    dataset = StreamingDataset(**where, batch_size=s.batch_size, shuffle=False, replication=REPLICATION)
-    loader = DataLoader(dataset, batch_size=s.batch_size, collate_fn=Collate(s.seq_len))
-    ids, first = drain(loader, start)
-    del loader
-    dist.barrier()  # every rank of the node is done with the blocks before they go
-    release(dataset)
-    return ids, first
-
-
-def rank_main(args: tuple[Settings, str, dict[str, str]]) -> int:
-    """One epoch of ``variant`` from ``where``: StreamingDataset's ``local`` (and ``remote``)."""
-    s, variant, where = args
-    import streaming  # noqa: F401  (its import is part of the baseline, not of the data path)
-
-    os.environ[APP_ID_VARIABLE] = f"rank{dist.get_rank()}"  # names this rank's requests to the S3 endpoint
-    mesh = init_device_mesh("cpu", MESH[1], mesh_dim_names=MESH[0])
-    gc.collect()
-    dist.barrier()
-    cpu0, rss0, wall0 = cpu_seconds(), rss_bytes(), time.perf_counter()
-    ids, first = (epoch_collective if variant == "collective_loader" else epoch_every_rank)(s, mesh, where, wall0)
-    record = {
-        "rank": dist.get_rank(),
-        "cpu": cpu_seconds() - cpu0,
-        "cpu_total": cpu_seconds(),
-        "rss_start": rss0,
-        "peak_rss": peak_rss_bytes(),
-        "wall": time.perf_counter() - wall0,
-        "first": first,
-        "ids": ids,
-    }
-    keep(s.out, {"run": {"variant": variant, "data": "remote" if "remote" in where else "local"}, **record})
-    return 0
 
 
 # --- leader placement: where the loading lands -------------------------------------------------
@@ -286,23 +124,6 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def check_coverage(run: dict[str, Any], samples: int, batch_size: int) -> str:
-    """Each replica's first-stage ranks saw the same ids; the replicas together saw every sample once."""
-    names, shape = MESH
-    by_replica: dict[int, set[tuple[int, ...]]] = {}
-    for r in run["ranks"]:
-        dp, pp, _ = np.unravel_index(r["rank"], shape)
-        if pp == 0:
-            by_replica.setdefault(int(dp), set()).add(tuple(r["ids"]))
-    if any(len(v) != 1 for v in by_replica.values()):
-        return "ranks of one replica saw different samples"
-    seen = [i for v in by_replica.values() for i in next(iter(v))]
-    want = samples - samples % (batch_size * shape[0])
-    if sorted(seen) != list(range(samples))[: len(seen)] or len(seen) != want:
-        return f"replicas saw {len(seen)} samples ({len(set(seen))} distinct), want {want} once each"
-    return "ok"
-
-
 def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     s = {v: [summarize(r) for r in runs if r["variant"] == v] for v in VARIANTS}
     med = {v: {k: statistics.median(x[k] for x in s[v]) for k in s[v][0]} for v in VARIANTS}
@@ -356,95 +177,6 @@ def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
         for v, ranks in firsts.items()
     }
     return [*lines, "", "Per rank (first round): CPU s added / peak RSS added (MiB)", "", *rank_table("variant", cells)]
-
-
-def fetch_summary(run: dict[str, Any]) -> dict[str, float]:
-    """What the leaders and the other ranks (and any unnamed client) fetched in one world."""
-    leaders = {f"rank{r}" for r in MeshLayout.build(*MESH, range(8)).leaders()}
-    requests, sent = ({c: k for c, k in run["fetched"][x].items() if c != UPLOAD} for x in ("requests", "bytes"))
-    return {
-        "fetching_ranks": sum(1 for c, k in requests.items() if k and c.startswith("rank")),
-        "leader_requests": sum(k for c, k in requests.items() if c in leaders),
-        "other_requests": sum(k for c, k in requests.items() if c not in leaders),
-        "leader_bytes": sum(b for c, b in sent.items() if c in leaders),
-        "other_bytes": sum(b for c, b in sent.items() if c not in leaders),
-    }
-
-
-def remote_markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
-    settings, mib = meta["settings"], 2**20
-    lines = [
-        f"Mesh (dp, pp, tp) = (2, 2, 2): 8 ranks, leaders {list(MeshLayout.build(*MESH, range(8)).leaders())}. One "
-        f"epoch of {settings['samples']} samples of {settings['words_per_sample']} words, per-replica batch "
-        f"{settings['batch_size']}, tokenization-like collate, no DataLoader workers, `shuffle=False`. *remote*: "
-        f"moto's S3 server in the benchmark's process (`collective_loader.testing.s3_endpoint`), {REMOTE_LATENCY * 1000:.0f} "
-        "ms added before each object GET, a fresh `local` cache directory per world shared by its ranks (one host: "
-        "streaming's one-node layout). Times from the world's start barrier, slowest rank; medians over "
-        f"{settings['rounds']} round(s) of separate worlds. Requests and bytes: as the endpoint counted them, by each "
-        "rank's `AWS_SDK_UA_APP_ID`.",
-        "",
-        "| data | loader | first batch s | wall s per epoch | CPU s added (sum) | ranks that fetched | "
-        "requests: leaders / other ranks | MiB fetched: leaders / other ranks | coverage |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for data, variant in REMOTE_CASES:
-        mine = [r for r in runs if r["data"] == data and r["variant"] == variant]
-        times = [
-            {
-                "first": max(x["first"] for x in r["ranks"]),
-                "wall": max(x["wall"] for x in r["ranks"]),
-                "cpu": sum(x["cpu"] for x in r["ranks"]),
-            }
-            | fetch_summary(r)
-            for r in mine
-        ]
-        m = {k: statistics.median(t[k] for t in times) for k in times[0]}
-        cover = ", ".join(sorted({check_coverage(r, settings["samples"], settings["batch_size"]) for r in mine}))
-        lines.append(
-            f"| {data} | {variant.replace('_', ' ')} | {m['first']:.2f} | {m['wall']:.1f} | {m['cpu']:.1f} | "
-            f"{m['fetching_ranks']:.0f} | {m['leader_requests']:.0f} / {m['other_requests']:.0f} | "
-            f"{m['leader_bytes'] / mib:.1f} / {m['other_bytes'] / mib:.1f} | {cover} |"
-        )
-    cells = {}
-    for variant in VARIANTS:
-        first = next(r for r in runs if r["data"] == "remote" and r["variant"] == variant)
-        requests, sent = first["fetched"]["requests"], first["fetched"]["bytes"]
-        cells[variant.replace("_", " ")] = [
-            f"{requests.get(f'rank{i}', 0)} / {sent.get(f'rank{i}', 0) / mib:.1f}" for i in range(8)
-        ]
-    return [*lines, "", "Per rank, remote data (first round): requests / MiB fetched", "", *rank_table("loader", cells)]
-
-
-def in_world(entry: Callable[[Any], int], arg: Any) -> int:
-    """``entry(arg)`` on the 8 ranks of a world of its own; their exit code."""
-    return launch.run(entry, arg, 8, timeout=1200)
-
-
-def remote_rounds(s: Settings, tmp: str) -> tuple[int, list[dict[str, Any]]]:
-    """``REMOTE_CASES`` with the remote data on an S3 endpoint served from this process; the exit
-    code and, per world in the order run, the requests and bytes each client fetched."""
-    fetches: list[dict[str, Any]] = []
-    with S3Endpoint(latency=REMOTE_LATENCY) as s3:
-        os.environ.update(s3.client_env(), **{APP_ID_VARIABLE: UPLOAD})  # the ranks, spawned from here, inherit it
-        s3.create_bucket(BUCKET)
-        client = s3.client()
-        for name in sorted(os.listdir(s.data)):
-            client.upload_file(os.path.join(s.data, name), BUCKET, f"{PREFIX}/{name}")
-        s3.clear()
-
-        def world(case: tuple[str, str], r: int) -> int:
-            data, variant = case
-            where = (
-                {"local": s.data}
-                if data == "local"
-                else {"remote": f"s3://{BUCKET}/{PREFIX}", "local": os.path.join(tmp, f"cache_{r}_{variant}")}
-            )
-            code = in_world(rank_main, (s, variant, where))
-            fetches.append({"requests": s3.requests_by_client(), "bytes": s3.bytes_by_client()})
-            s3.clear()
-            return code
-
-        return worlds_in_rounds(REMOTE_CASES, s.rounds, world), fetches
 
 
 def main(argv: list[str] | None = None) -> int:
