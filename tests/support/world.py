@@ -80,8 +80,8 @@ class World:
         deadline = time.monotonic() + timeout
         try:
             self._collect(out, f"{fn.__name__} within {timeout}s", deadline)
-            while any(self._procs[r].is_alive() for r in dying) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            for r in sorted(dying):
+                self._procs[r].join(max(0.0, deadline - time.monotonic()))
             alive = [r for r in sorted(dying) if self._procs[r].is_alive()]
             if alive:
                 raise TimeoutError(f"ranks {alive} were to die in {fn.__name__} and still ran after {timeout}s")
