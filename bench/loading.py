@@ -52,7 +52,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from collective_loader import CollectiveLoader
 from collective_loader.streaming import StreamingSource
 
-
 # --- leader placement: where the loading lands -------------------------------------------------
 
 PLACEMENT_MESH = (("pp", "dp", "tp"), (2, 2, 2))  # pp outermost, as TorchTitan orders its mesh
