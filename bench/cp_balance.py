@@ -8,7 +8,7 @@ at the row's end). Per cp rank, from what the split itself deals (its ``piece`` 
 * attention work: the sum over its real query tokens of the causal prefix length within the
   query's document (a query at position ``k`` attends to ``k + 1`` keys; padding queries are not
   counted: THD / varlen attention skips them through the real offsets);
-* cost: the cost model of :class:`~collective_loader.plan.balanced.BalancedDocuments`,
+* cost: the cost model of :class:`~collective_loader.plan.balanced_documents.BalancedDocuments`,
   ``L**2 + c * L`` per document, dealt per real query as ``2k + 1 + c`` (a document's ``L**2``
   summed over its queries), at ``c = 0`` and at ``c = 12 * 4096`` (a model 4096 wide);
 * slots: the tokens it holds, padding included.
@@ -20,7 +20,7 @@ tokens - 1, over all micro-batches.
 * whole-row zigzag: the row cut into 2 x cp chunks, rank r keeping chunks r and 2cp-1-r;
 * per document: :class:`~collective_loader.plan.documents.PerDocument` (TransformerEngine's rule:
   every document padded to a multiple of 2 x cp, rank r keeping chunks r and 2cp-1-r of each);
-* balanced: :class:`~collective_loader.plan.balanced.BalancedDocuments` with its defaults
+* balanced: :class:`~collective_loader.plan.balanced_documents.BalancedDocuments` with its defaults
   (``split_share=0.05``), built with the ``c`` of the cost it is measured by.
 
 Target (issue 29): balanced max / mean <= 1.05 on every mix at cp 2, 4 and 8, tiny documents
@@ -39,7 +39,7 @@ import torch
 from harness import RESULTS, Run, table  # bench/harness.py: run as python bench/<name>.py
 
 from collective_loader.plan import sharding
-from collective_loader.plan.balanced import BalancedDocuments
+from collective_loader.plan.balanced_documents import BalancedDocuments
 from collective_loader.plan.documents import PerDocument
 
 TARGET_BALANCE, TARGET_PADDING = 1.05, 0.10

@@ -18,10 +18,10 @@ The package in layers (each imports only from the layers below it; ``tests/unit/
 import logging
 
 from collective_loader.delivery.config import LoaderConfig
-from collective_loader.delivery.source import Source
+from collective_loader.delivery.source_protocol import Source
 from collective_loader.errors import BatchError, CollectiveLoaderError, ConstructionError, DeliveryError, LeaderError
 from collective_loader.loader import CollectiveLoader
-from collective_loader.plan.balanced import BalancedDocuments
+from collective_loader.plan.balanced_documents import BalancedDocuments
 from collective_loader.plan.documents import PerDocument
 from collective_loader.plan.mesh import mesh_place
 from collective_loader.plan.schedules import stage_style_of

@@ -29,7 +29,7 @@ from collective_loader.delivery.config import LoaderConfig, make_config
 from collective_loader.delivery.epoch import Epoch, OutsideEpoch
 from collective_loader.delivery.figures import ShardWorkTally
 from collective_loader.delivery.settings import Settings, build_settings, log_settings
-from collective_loader.delivery.source import PlacesLeaders, Source, build_source
+from collective_loader.delivery.source_protocol import PlacesLeaders, Source, build_source
 from collective_loader.delivery.state import share_state
 from collective_loader.errors import ConstructionError, LeaderError
 from collective_loader.plan.mesh import MeshLayout, Place
@@ -167,7 +167,7 @@ class CollectiveLoader:
     def source(self) -> Source | None:
         """On a leader, the :class:`~collective_loader.Source` it loads from (what ``source()``
         returned, for a callable; a plain iterable in an
-        :class:`~collective_loader.delivery.source.IterableSource`); ``None`` on every other rank,
+        :class:`~collective_loader.delivery.source_protocol.IterableSource`); ``None`` on every other rank,
         which builds nothing. Iterate the loader, never the source."""
         return self._source
 

@@ -25,7 +25,7 @@ from collective_loader.delivery.device import hand_over
 from collective_loader.delivery.figures import ShardWorkTally
 from collective_loader.delivery.prefetch import Prefetcher
 from collective_loader.delivery.settings import Settings
-from collective_loader.delivery.source import Source
+from collective_loader.delivery.source_protocol import Source
 from collective_loader.delivery.watchdog import StallWatch
 from collective_loader.errors import DeliveryError
 from collective_loader.plan.wire import Kind

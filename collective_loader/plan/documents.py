@@ -82,7 +82,7 @@ def default_pad_values() -> dict[str, int | float]:
 class DocumentKeys:
     """Where a batch marks its packed documents and what their padding holds: the options a
     per-document split reads (:class:`PerDocument` and
-    :class:`~collective_loader.plan.balanced.BalancedDocuments` each hold one).
+    :class:`~collective_loader.plan.balanced_documents.BalancedDocuments` each hold one).
 
     ``owner``: the split's name, for messages; the others as :class:`PerDocument` says.
 

@@ -12,8 +12,8 @@ Pure logic over batches (mappings of str to tensors and plain values); no commun
   (:mod:`collective_loader.plan.sharding`); a :class:`~collective_loader.plan.documents.PerDocument`
   cuts every packed document on its own and adds each rank's attention metadata
   (:mod:`collective_loader.plan.documents`);
-  :class:`~collective_loader.plan.balanced.BalancedDocuments` gives short documents whole to one
-  rank, by cost, and cuts only the long ones (:mod:`collective_loader.plan.balanced`).
+  :class:`~collective_loader.plan.balanced_documents.BalancedDocuments` gives short documents whole to one
+  rank, by cost, and cuts only the long ones (:mod:`collective_loader.plan.balanced_documents`).
 """
 
 from __future__ import annotations

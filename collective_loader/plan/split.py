@@ -6,7 +6,7 @@
   whole (:mod:`~collective_loader.plan.sharding`);
 * :class:`~collective_loader.plan.documents.PerDocument`: every packed document cut on its own,
   each rank's attention metadata added;
-* :class:`~collective_loader.plan.balanced.BalancedDocuments`: short documents whole to one rank
+* :class:`~collective_loader.plan.balanced_documents.BalancedDocuments`: short documents whole to one rank
   by cost, long ones cut.
 
 A user gives ``split="zigzag"`` (or ``"contiguous"``) or a split object; :func:`as_split` turns

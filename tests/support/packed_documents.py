@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.data
 
-from collective_loader.plan.balanced import BalancedDocuments
+from collective_loader.plan.balanced_documents import BalancedDocuments
 from collective_loader.plan.documents import PerDocument
 
 HEADS, DIM = 2, 4

@@ -1,4 +1,4 @@
-"""Unit and property tests for :mod:`collective_loader.plan.balanced` (``BalancedDocuments``).
+"""Unit and property tests for :mod:`collective_loader.plan.balanced_documents` (``BalancedDocuments``).
 
 The attention check (:func:`packed_documents.check_balanced_attention`): every shard rank's
 output, computed from only what it received plus the split documents' keys and values its peers
@@ -20,7 +20,7 @@ from packed_documents import DIM, HEADS, check_balanced_attention, random_batch
 
 from collective_loader import BalancedDocuments, PerDocument
 from collective_loader.errors import BatchError
-from collective_loader.plan.balanced import Deal
+from collective_loader.plan.balanced_documents import Deal
 from collective_loader.plan.routing import Routing
 
 SIZES = [(1,), (2,), (4,), (8,), (2, 2), (2, 3)]  # cp, or cp x sp in mesh order

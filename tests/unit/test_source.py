@@ -1,4 +1,4 @@
-"""The Source protocol's one adapter (:mod:`collective_loader.delivery.source`), without processes:
+"""The Source protocol's one adapter (:mod:`collective_loader.delivery.source_protocol`), without processes:
 what a plain iterable's state, resume, stop and close become, and what is refused."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from collective_loader import Source
-from collective_loader.delivery.source import IterableSource, as_source, build_source
+from collective_loader.delivery.source_protocol import IterableSource, as_source, build_source
 from collective_loader.streaming import BalancedStream, PackedStream, SampleStream
 
 
