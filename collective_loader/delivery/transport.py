@@ -271,15 +271,12 @@ class Groups:
         if self.released:
             return
         self.released = True
-        owned = (
-            [self.control, self.leaders]
-            + [c.group for c in self._channels()]
-            + [c.data_group for c in self._channels()]
-        )
+        channels = self._channels()
+        owned = [self.control, self.leaders, *(c.group for c in channels), *(c.data_group for c in channels)]
         for group in {id(g): g for g in owned if g is not None}.values():
             with contextlib.suppress(ValueError):  # already destroyed (destroy_process_group() before close())
                 dist.destroy_process_group(group)
-        for channel in self._channels():
+        for channel in channels:
             del channel.group, channel.data_group
         del self.control, self.leaders
 
