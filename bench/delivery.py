@@ -181,7 +181,7 @@ def profile_step(batch: dict[str, torch.Tensor], group: dist.ProcessGroup, pool:
         t1 = t0
         dist.broadcast(buf, LEADER, group=group)
         t2 = time.perf_counter()
-        header = Header.decode(buf[: wire.HEADER_BYTES].view(torch.int64), 1 << 32)
+        header = Header.read(buf, 1 << 32)
         payload = buf[wire.HEADER_BYTES : nbytes]
         wire.decode(payload, header.meta_nbytes).batch(payload)
         t3 = time.perf_counter()

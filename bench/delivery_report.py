@@ -209,7 +209,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
         "",
         (
             "One synchronous steady-state step rebuilt in the benchmark from the package's pieces (`wire.encode`, "
-            "`Encoded.write` into a `BufferPool` buffer, `Header.decode`, `wire.decode`) and one "
+            "`Encoded.write` into a `BufferPool` buffer, `Header.read`, `wire.decode`) and one "
             "`dist.broadcast` over the raw group, timed by phase with `time.perf_counter` (p50 ms, median over rounds, run in "
             "the same rotation as the variants above). *rebuilt step* is the slowest rank's whole step; the last "
             "column is what the loader adds on top (its transfer thread, queue hand-off, routing)."
