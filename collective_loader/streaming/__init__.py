@@ -6,7 +6,8 @@
   :class:`~collective_loader.Source` of one of three kinds (:class:`SampleStream`,
   :class:`PackedStream`, :class:`BalancedStream`), each with its own resumable state;
 * :mod:`~collective_loader.streaming.mixture`: :class:`MixtureSource`, several packing sources
-  mixed on a schedule (its leaders' :class:`MixtureStream`);
+  mixed on a schedule (its leaders' :class:`MixtureStream`), and
+  :mod:`~collective_loader.streaming.mixture_file`: :func:`read_mixture`, a mixture's file;
 * :mod:`~collective_loader.streaming.leaders`: the environment and barriers streaming sees there;
 * :mod:`~collective_loader.streaming.dataset`: a ``StreamingDataset`` that raises a failed
   download instead of ending the epoch early;
@@ -14,7 +15,16 @@
 """
 
 from collective_loader.streaming.mixture import MixtureSource, MixtureStream
+from collective_loader.streaming.mixture_file import read_mixture
 from collective_loader.streaming.source import StreamingSource
 from collective_loader.streaming.streams import BalancedStream, PackedStream, SampleStream
 
-__all__ = ["BalancedStream", "MixtureSource", "MixtureStream", "PackedStream", "SampleStream", "StreamingSource"]
+__all__ = [
+    "BalancedStream",
+    "MixtureSource",
+    "MixtureStream",
+    "PackedStream",
+    "SampleStream",
+    "StreamingSource",
+    "read_mixture",
+]

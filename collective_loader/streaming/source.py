@@ -31,6 +31,7 @@ a resume, with the same DP degree or another, trains every token once.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -130,6 +131,7 @@ class StreamingSource:
         self.batch_size = batch_size
         self.packing = packing
         self.layout = layout
+        self.timeout = timeout
         # what streaming and the DataLoader batch: samples of a step, or of a sample-batch when packing
         self.documents_per_batch = batch_size if packing is None else (documents_per_batch or batch_size)
         self._collate: Callable[[Sequence[Sample]], Any]
@@ -144,6 +146,14 @@ class StreamingSource:
         self._clean_stale = clean_stale
         self._dataloader_kwargs = dict(dataloader_kwargs or {})
         self._dataset_kwargs = dataset_kwargs
+
+    def over(self, **dataset_kwargs: Any) -> StreamingSource:
+        """This source over another dataset: ``dataset_kwargs`` over the ``StreamingDataset``
+        arguments it was given, everything else its own, its leaders' group too (a mixture's
+        sources share one; no collective: it builds no group)."""
+        other = copy.copy(self)
+        other._dataset_kwargs = {**self._dataset_kwargs, **dataset_kwargs}
+        return other
 
     def __call__(self) -> SampleStream | PackedStream:
         """Build the dataset and DataLoader (leaders only; ``CollectiveLoader`` calls this)."""

@@ -30,6 +30,7 @@ from collective_loader.delivery.leaders import LeaderGroup
 from collective_loader.delivery.workers import stop_dataloader_workers, stop_workers
 from collective_loader.streaming.balancing import BalancedRows
 from collective_loader.streaming.cleanup import release
+from collective_loader.text.packing import Row
 from collective_loader.text.resume import Cursor, combine
 from collective_loader.text.rows import PackedRows
 
@@ -185,13 +186,18 @@ class PackedStream:
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
         return self.rows.rows(self.data.batches(), self.data.first_step)
 
+    def row_lists(self) -> Iterator[tuple[list[Row], Cursor]]:
+        """One epoch's rows before they become tensors, a step's (at most ``batch_size``) at a
+        time, each with the packer's cursor before them: :meth:`snapshot_at` it is the state that
+        resumes at them (for rows taken but not trained yet)."""
+        before = None
+        for rows in self.rows.row_lists(self.data.batches(), self.data.first_step):
+            yield rows, before or Cursor(self.data.first_step(), 0, 0)  # the epoch's start is known once begun
+            before = self.rows.cursor()
+
     def state_dict(self) -> dict[str, Any]:
         """This leader's snapshot right after a batch; :meth:`checkpoint_state` makes the state."""
         return self.snapshot_at(self.rows.cursor())
-
-    def epoch_start(self) -> Cursor:
-        """The packer's cursor before the current epoch's first row (asked once it has started)."""
-        return Cursor(self.data.first_step(), 0, 0)
 
     def snapshot_at(self, cursor: Cursor) -> dict[str, Any]:
         """The snapshot :meth:`state_dict` gave when the packer was at ``cursor`` in this epoch:
@@ -262,7 +268,7 @@ class BalancedStream(PackedStream):
         self.balanced = balanced
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
-        return self.balanced.batches(self.rows.row_lists(self.data.batches(), self.data.first_step))
+        return self.balanced.batches(rows for rows, _ in self.row_lists())
 
     def stats(self) -> dict[str, float]:
         out = super().stats()

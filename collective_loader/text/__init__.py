@@ -11,13 +11,13 @@
 * :mod:`~collective_loader.text.resume`: the hand-over that makes a resume exact;
 * :mod:`~collective_loader.text.collate`: :func:`lm_collate` for rows written whole;
 * :mod:`~collective_loader.text.mixture`: a mixture's :class:`MixtureSchedule` (its :class:`Phase` list) and
-  the :class:`~collective_loader.text.mixture.RowAllocator` that names each packed row's source.
+  the :class:`~collective_loader.text.mixture.Allocation` that names each packed row's source.
 """
 
 from collective_loader.text.balance import Balance
 from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import TextColumn, TokenColumn
-from collective_loader.text.mixture import MixtureSchedule, Phase, read_mixture
+from collective_loader.text.mixture import MixtureSchedule, Phase
 from collective_loader.text.packing import BOUNDARIES, IGNORE_INDEX, Packing
 from collective_loader.text.tokenizer import TextEncoder, load_tokenizer
 
@@ -33,5 +33,4 @@ __all__ = [
     "TokenColumn",
     "lm_collate",
     "load_tokenizer",
-    "read_mixture",
 ]

@@ -5,7 +5,7 @@ tokenizer and packing each source into rows of its own.
 
 The two sources are told apart in every row the Trainer took: one holds lower-case documents, the
 other upper-case ones (one byte-level BPE trained on both). Every row comes from the source the
-schedule's ``ReplicaAllocator`` names for it (half and half for the first 4 steps, then 3/4 lower), the
+schedule's ``Allocation`` names for it (half and half for the first 4 steps, then 3/4 lower), the
 mixture's ``source_id`` does not reach TorchTitan's train step, every rank of a replica takes the
 same micro-batches, and only the leaders open the data and tokenize: pp=2 x dp_shard=2 by default
 (one Trainer run). ``python -m pytest -m slow tests/integrations/test_titan_trainer_mixture.py``
@@ -35,7 +35,7 @@ from collective_loader.integrations.titan_streaming import (
 )
 from collective_loader.integrations.titan_wrap import with_mesh
 from collective_loader.text import MixtureSchedule, Packing, Phase, TokenColumn
-from collective_loader.text.mixture import ReplicaAllocator
+from collective_loader.text.mixture import Allocation
 
 # the first 4 steps half and half, then 3/4 lower: the change falls on a training step's first
 # row (4 steps x DP replicas x BATCH rows x SEQ tokens), so pp=2's micro-batches see pp=1's weights
@@ -186,10 +186,11 @@ def source_of(row: dict[str, list], decode: Any) -> str:
 def scheduled(rows_per_batch: int, batches: int) -> list[list[str]]:
     """Per replica, the source of each row it takes, as the schedule's allocator names them for
     batches of ``rows_per_batch`` rows per replica."""
-    allocator = ReplicaAllocator(SCHEDULE, DP)
+    allocation = Allocation.start(SCHEDULE, DP)
     out: list[list[str]] = [[] for _ in range(DP)]
     for step in range(batches):
-        for dp_rank, names in enumerate(allocator.allocate(step * DP * rows_per_batch * SEQ, rows_per_batch)):
+        every, allocation = allocation.allocate(step * DP * rows_per_batch * SEQ, rows_per_batch)
+        for dp_rank, names in enumerate(every):
             out[dp_rank] += names
     return out
 
