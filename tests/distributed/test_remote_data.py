@@ -32,7 +32,7 @@ from collective_loader.plan.routing import Routing
 from collective_loader.plan.split import RowSplit
 from collective_loader.streaming import StreamingSource
 from collective_loader.streaming.cleanup import remove_stale
-from collective_loader.testing import invariants
+from collective_loader.testing import invariants, launch
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE, S3Endpoint
 
@@ -94,25 +94,31 @@ def epochs(env, remote, cache, dims, shape, n_epochs, **dataset_kwargs):
     return {"place": loader.place, "epochs": batches, "started": started}
 
 
-def first_batch_then_wait(env, remote, cache, dims, shape, wait, **dataset_kwargs):
-    """Take one batch, then let the leader fetch ahead for ``wait`` seconds; returns the time the
-    wait ended."""
+def first_batch_then_wait(env, remote, cache, dims, shape, wait, shards=None, **dataset_kwargs):
+    """Take one batch, then let the leader fetch ahead: for ``wait`` seconds (the window in which
+    a loader that fetched too far would show it), or, given ``shards``, until its cache holds that
+    many (``wait`` then bounds a hang); returns the time the wait ended."""
     loader = _loader(env, remote, cache, dims, shape, shuffle=False, **dataset_kwargs)
     it = iter(loader)
     next(it)
-    time.sleep(wait)
+    deadline = time.monotonic() + wait
+    if shards is None:
+        time.sleep(wait)  # the behaviour under test: nothing past the bound is fetched meanwhile
+    else:  # no event tells when streaming has fetched a shard: its cache is looked at
+        while len(list(Path(cache).rglob("*.mds"))) < shards and time.monotonic() < deadline:
+            time.sleep(0.05)
     ended = time.time()
     loader.close()
     return ended
 
 
 def until_failure(
-    env, remote, cache, dims, shape, signal_dir=None, checkpoint_at=None, loader_timeout=60.0, **dataset_kwargs
+    env, remote, cache, dims, shape, stop=None, checkpoint_at=None, loader_timeout=60.0, **dataset_kwargs
 ):
     """Iterate until the loader raises; returns (steps taken, the error's text, the checkpoint).
 
-    With ``signal_dir``: rank 0 asks the test to stop the endpoint once ``checkpoint_at`` steps
-    are taken (the file ``stop``) and waits until it has (the file ``stopped``)."""
+    With ``stop``, two events of the test (a manager's, ``(asked, done)``): rank 0 asks the test
+    to stop the endpoint once ``checkpoint_at`` steps are taken and waits until it has."""
     loader = _loader(env, remote, cache, dims, shape, timeout=loader_timeout, **dataset_kwargs)
     taken, checkpoint, error = [], None, None
     try:
@@ -120,10 +126,10 @@ def until_failure(
             taken.append(_ids(batch) if "sample_id" in batch else None)
             if len(taken) == checkpoint_at:
                 checkpoint = loader.state_dict()
-                if signal_dir and dist.get_rank() == 0:
-                    Path(signal_dir, "stop").touch()
-                    while not Path(signal_dir, "stopped").exists():
-                        time.sleep(0.05)
+                if stop is not None and dist.get_rank() == 0:
+                    asked, done = stop
+                    asked.set()
+                    assert done.wait(60), "the test did not stop the endpoint"
                 dist.barrier()
     except LeaderError as e:
         error = str(e)
@@ -186,19 +192,21 @@ def test_predownload_bounds_how_far_ahead_the_leader_fetches(world, s3, remote, 
     # step 0 the loader prefetches two more steps (12 samples in all) and streaming fetches
     # ``predownload`` samples beyond those: 16 samples, the first shard or two
     s3.clear()
+    whole = predownload == SAMPLES
     ended = world.run(
         first_batch_then_wait,
         s3.client_env(),
         remote,
         str(tmp_path / "cache"),
         *ONE_REPLICA,
-        3.0,
+        60.0 if whole else 3.0,
+        len(s3_shards(s3, remote)) if whole else None,
         predownload=predownload,
         num_canonical_nodes=1,
         timeout=120,
     )[0]
     fetched = shard_gets(s3, until=ended)
-    if predownload == SAMPLES:
+    if whole:  # every shard, each once
         assert sorted(fetched) == s3_shards(s3, remote)
     else:
         assert 1 <= len(fetched) <= most, fetched
@@ -235,16 +243,16 @@ def test_endpoint_gone_mid_epoch_fails_everywhere_and_resume_continues_exactly(w
     full = world.run(epochs, env, remote, str(tmp_path / "reference"), *ONE_REPLICA, 1, timeout=120)
     full_ids = [_ids(b) if "sample_id" in b else None for b in full[0]["epochs"][0]]
 
-    signals = tmp_path / "signals"
-    signals.mkdir()
+    manager = launch.SPAWN.Manager()  # its events reach the ranks (through the world's task queues)
+    asked, done = manager.Event(), manager.Event()
 
-    def stop_on_signal() -> None:
-        while not (signals / "stop").exists():
-            time.sleep(0.05)
-        s3.stop()
-        (signals / "stopped").touch()
+    def stop_when_asked() -> None:
+        asked.wait()
+        if not done.is_set():  # set by the test: the run ended without asking
+            s3.stop()
+            done.set()
 
-    stopper = threading.Thread(target=stop_on_signal, daemon=True)
+    stopper = threading.Thread(target=stop_when_asked, daemon=True)
     stopper.start()
     checkpoint_at = 3
     try:
@@ -255,14 +263,18 @@ def test_endpoint_gone_mid_epoch_fails_everywhere_and_resume_continues_exactly(w
             remote,
             cache,
             *ONE_REPLICA,
-            str(signals),
+            (asked, done),
             checkpoint_at,
             predownload=BATCH,
             download_retry=1,
             timeout=120,
         )
     finally:
-        stopper.join(10)
+        if not asked.is_set():
+            done.set()
+            asked.set()
+        stopper.join()
+        manager.shutdown()
         s3.start()  # the store is back, with its data
     assert_failed_everywhere(
         results, r"leader rank 0", r"step \d+", r"Could not connect to the endpoint URL", r"shard\.\d+\.mds"
