@@ -1,24 +1,12 @@
 """Several MDS datasets mixed on a schedule, on the data-parallel leaders only (``docs/mixtures.md``).
 
 :class:`MixtureSource` makes one packing :class:`~collective_loader.streaming.StreamingSource` per
-source, all over one leaders' group; on a leader it builds a :class:`MixtureStream`, which draws
-each row of a step from the source an :class:`~collective_loader.text.mixture.Allocation` names.
-Every row holds ``seq_len`` real tokens but a source's last, padded row of an epoch, which the
-allocation credits by its real tokens, so mixing rows mixes tokens. Each source keeps its own
-cursor in the loader's state::
-
-    schedule = MixtureSchedule((Phase(0, {"web": 0.7, "code": 0.3}), Phase(8e6, {"web": 0.2, "math": 0.8}, ramp=1e6)))
-    source = MixtureSource(mesh, {"web": {"local": "/data/web"},
-                                  "code": {"local": "/data/code", "when_exhausted": "repeat"},
-                                  "math": {"local": "/data/math"}},
-                           schedule, batch_size=8, packing=Packing(seq_len=2048), shuffle=True)
-    loader = CollectiveLoader(source, mesh, inputs=("input_ids",), labels=("labels", "source_id"))
-
-A source that runs out on some leader follows its ``when_exhausted`` on every leader at the same
-step: ``"end"`` the epoch, ``"repeat"`` it (a new shuffled epoch), ``"stop"`` it (the others share
-its weight). With a "repeat" or "stop" source the leaders agree on it before every step (one small
-gather on the loader's transfer thread, over a group of their own), telling each other which of
-their next rows are padded too; with "end" alone the loader's own end of data does.
+source over one leaders' group; on a leader its :class:`MixtureStream` draws each row of a step
+from the source an :class:`~collective_loader.text.mixture.Allocation` names. A row holds
+``seq_len`` real tokens, but a source's last row of an epoch, padded, counts its real tokens (the
+leaders tell each other theirs), so mixing rows mixes tokens. A source that runs out follows its
+``when_exhausted`` on every leader at the same step; with a ``"repeat"`` or ``"stop"`` source the
+leaders agree on it before every step (one small gather, over a group of their own).
 """
 
 from __future__ import annotations
@@ -49,19 +37,17 @@ class MixtureSource:
 
     Args:
         mesh: the loader's mesh.
-        sources: per source name, its ``StreamingDataset`` arguments (``local``, ``remote``, ...)
-            and, optionally, ``when_exhausted``: ``"end"``, ``"repeat"`` or ``"stop"``. Every name
-            the schedule weighs must be here; one it does not weigh keeps its cursor until it does.
+        sources: per source name, its ``StreamingDataset`` arguments (``local``, ...) and, optionally,
+            ``when_exhausted``: ``"end"`` (the epoch), ``"repeat"`` (a new epoch of it) or ``"stop"`` (it;
+            the others share its weight). A source the schedule does not weigh keeps its cursor.
         schedule: the weights over training progress.
         batch_size: rows per replica and step.
         packing: how each source's documents become rows (no ``balance`` with mixtures yet).
-        source_key: the batch key of each row's source (its index in ``names``), ``(R,)`` int64;
-            ``None``: no such key.
-        allow_edit: resume a state saved under another schedule (its future edited; each change
-            logged at INFO). Without it such a state is refused, naming what changed.
-        **options: ``StreamingSource``'s other options (``layout``, ``documents_per_batch``, by
-            default ``batch_size``, ``num_workers``, ``roles``, ``placement``, ...) and
-            ``StreamingDataset`` arguments for every source, which a source's own table overrides.
+        source_key: the batch key of each row's source (its index in ``names``); ``None``: none.
+        allow_edit: resume a state saved under another schedule (each change logged at INFO).
+        **options: ``StreamingSource``'s other options (``layout``, ``documents_per_batch``, by default
+            ``batch_size``, ``num_workers``, ``roles``, ...) and ``StreamingDataset`` arguments for every
+            source, which a source's own table overrides.
     """
 
     def __init__(
@@ -117,30 +103,25 @@ class _SourceRows:
         self.start: Any = None  # the state this epoch resumed from, until a row is taken
         self.queue: deque[tuple[Row, Cursor]] = deque()
         self.counts = dict.fromkeys(("rows", "tokens", "documents", "epochs", "dropped_rows"), 0)
-        self._rows: Iterator[tuple[list[Row], Cursor]] | None = None
-        self._taken = self._ended = False
+        self._rows: Iterator[tuple[list[Row], Cursor]] = iter(())
+        self._taken = False  # a row of this epoch
 
     def begin(self) -> None:
         """A new epoch, its first row queued. Every leader does it at the same step: streaming
         starts an epoch once every leader on the node has asked for it."""
-        if self._rows is not None:
+        if self.counts["epochs"]:
             self.drop()
             self.stream.stop()  # the last epoch's DataLoader workers
             self.start = None
-        self._rows, self._taken, self._ended = self.stream.row_lists(), False, False
+        self._rows, self._taken = self.stream.row_lists(), False
         self.counts["epochs"] += 1
         self.fill(1)
 
     def fill(self, rows: int) -> bool:
         """Take rows from the stream until ``rows`` are queued; ``False`` if its epoch ends first."""
-        assert self._rows is not None, "begin() first"
-        while len(self.queue) < rows and not self._ended:
-            pulled = next(self._rows, None)
-            if pulled is None:
-                self._ended = True
-            else:
-                self._taken = True
-                self.queue.append((pulled[0][0], pulled[1]))
+        while len(self.queue) < rows and (pulled := next(self._rows, None)) is not None:
+            self._taken = True
+            self.queue.append((pulled[0][0], pulled[1]))
         return len(self.queue) >= rows
 
     def take(self) -> Row:
@@ -166,12 +147,7 @@ class _SourceRows:
 
 class MixtureStream:
     """A leader's mixture: per step, ``batch_size`` rows, each from the source the allocation names.
-
-    Before a step's rows are used each source has them queued; with an ``agreement`` the leaders
-    then agree (one gather) whether one of them lacks rows, so every leader ends, restarts or
-    stops that source at the same step, and which of their next ``batch_size`` rows of each
-    active source are padded (the allocation credits them by their real tokens). State: the
-    allocation, the progress and each source's packing state from before its queued rows.
+    State: the allocation, the progress and each source's packing state from before its queued rows.
     """
 
     elastic = True  # each source's packing state re-partitions; the allocation over all replicas goes on
@@ -211,9 +187,7 @@ class MixtureStream:
     def _allocate(self) -> tuple[list[str], int] | None:
         """This replica's sources for the next step, each queued on every leader, and the padding
         tokens of every replica's rows; ``None`` when the epoch ends. A source some leader lacks
-        rows of follows its policy. The allocation is tried with the padded rows among the
-        leaders' next rows, and again when they are not those it was told of (each source's next
-        ``batch_size`` rows are all a step can take, so a resume is exact)."""
+        follows its policy. Tried again when the padded rows heard are not those it was told of."""
         restarted: set[str] = set()
         seq_len = self.mix.packing.seq_len
         while True:
@@ -253,11 +227,10 @@ class MixtureStream:
                     return None
 
     def _short(self, need: Counter[str]) -> tuple[list[str], dict[tuple[int, str, int], int]]:
-        """The sources some leader lacks rows of for this step (this leader's alone without an
-        agreement: the loader's end of data then stops every rank at the same step), and the
-        padded rows among every leader's next ``batch_size`` rows of each active source:
-        (replica, source, index) -> padding tokens; none at dp > 1 without an agreement (no
-        leader knows the others': they count as full, and the epoch ends soon after them)."""
+        """The sources some leader lacks rows of (this leader's alone without an agreement: the
+        loader's end of data then stops every rank), and the padded rows among every leader's next
+        ``batch_size`` rows of each active source, (replica, source, index) -> padding tokens (a
+        step takes no more, so a resume is exact); none at dp > 1 without an agreement."""
         seq_len, ahead = self.mix.packing.seq_len, self._ahead
 
         def mine() -> tuple[list[str], list[Any]]:
@@ -279,8 +252,7 @@ class MixtureStream:
         return short, {(r, name, i): n for _, padded in heard for r, name, i, n in padded}
 
     def _together(self, work: Callable[[], Any], what: str) -> None:
-        """``work()`` on every leader; with an agreement group, one that raises tells the others,
-        which raise too, rather than wait for it in the next step's gather."""
+        """``work()`` on every leader; one that raises tells the others (which raise too)."""
         if self.agreement is None:
             work()
         else:

@@ -1,12 +1,10 @@
 """Data mixtures on a schedule, the pure core: which source each packed row of a step comes from.
 
-A :class:`MixtureSchedule` gives each source a weight over training *progress* (real tokens
-trained over every replica, or global steps): :class:`Phase`\\ s, each holding its weights from
-its ``start``, reached from the previous phase's over ``ramp`` units. An :class:`Allocation` holds
-the counters; ``allocate(progress, rows)`` names the source of each row of a step on every replica
-and returns them with the next allocation: counters in, counters out, no rank in it, so every
-leader computes the same rows without communicating. The rule, its bound and proof, short rows and
-edits of the schedule: ``docs/mixtures.md``.
+A :class:`MixtureSchedule` is each source's weight over progress (tokens or steps), as
+:class:`Phase`\\ s. An :class:`Allocation` holds the counters: ``allocate(progress, rows)`` names
+the sources of a step's rows on every replica and returns the next allocation (counters in,
+counters out, no rank in it: every leader computes the same rows alone). The rule, its bound and
+proof, short rows and edits: ``docs/mixtures.md``.
 
 >>> schedule = MixtureSchedule((Phase(0, {"web": 0.75, "code": 0.25}), Phase(1000, {"web": 0.5, "math": 0.5}, ramp=100)))
 >>> schedule.sources, schedule.weights_at(1050)
@@ -24,10 +22,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import difflib
 import json
 import math
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -69,18 +65,16 @@ class Phase:
         for field, value in (("start", self.start), ("ramp", self.ramp)):
             if not _number(value) or value < 0:
                 raise ValueError(f"{field} must be a finite number >= 0, got {value!r}")
-        if not isinstance(self.weights, Mapping) or not self.weights:
-            raise ValueError(f"weights must be a non-empty mapping of source name to weight, got {self.weights!r}")
-        for name, weight in self.weights.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"weights: a source name must be a non-empty str, got {name!r}")
-            if not _number(weight) or weight < 0:
-                raise ValueError(f"weights: {name!r} is {weight!r}; a weight must be a finite number >= 0")
-        if not any(w > 0 for w in self.weights.values()):
-            raise ValueError(f"weights: at least one must be positive, got {dict(self.weights)!r}")
+        weights = self.weights if isinstance(self.weights, Mapping) else {}
+        bad = [f"{k!r}: {v!r}" for k, v in weights.items() if not (isinstance(k, str) and k and _number(v) and v >= 0)]
+        if bad or not any(v > 0 for v in weights.values()):
+            raise ValueError(
+                "weights must map source names to finite numbers >= 0, at least one positive; "
+                f"got {', '.join(bad) if bad else repr(self.weights)}"
+            )
         object.__setattr__(self, "start", float(self.start))
         object.__setattr__(self, "ramp", float(self.ramp))
-        object.__setattr__(self, "weights", MappingProxyType({k: float(v) for k, v in sorted(self.weights.items())}))
+        object.__setattr__(self, "weights", MappingProxyType({k: float(v) for k, v in sorted(weights.items())}))
 
     def describe(self) -> str:
         weights = ", ".join(f"{k}: {v:g}" for k, v in self.weights.items())
@@ -110,41 +104,16 @@ class MixtureSchedule:
             raise ValueError(f"phase 0: start must be 0, and ramp 0 (nothing to ramp from), got {phases[0].describe()}")
         for i, (before, phase) in enumerate(zip(phases, phases[1:]), 1):
             if phase.start <= before.start:
-                raise ValueError(
-                    f"phase {i}: start {phase.start:g} must be after phase {i - 1}'s start {before.start:g}"
-                )
+                raise ValueError(f"phase {i}: start {phase.start:g} must be after phase {i - 1}'s, {before.start:g}")
             if before.ramp > phase.start - before.start:
                 raise ValueError(
-                    f"phase {i - 1}: ramp {before.ramp:g} is longer than the phase (phase {i} starts at {phase.start:g})"
+                    f"phase {i - 1}: ramp {before.ramp:g} outlasts the phase (phase {i} starts at {phase.start:g})"
                 )
 
     @classmethod
     def constant(cls, weights: Mapping[str, float], unit: Unit = "tokens") -> MixtureSchedule:
         """One phase: these weights throughout."""
         return cls((Phase(0, weights),), unit)
-
-    @classmethod
-    def from_mapping(cls, data: Any, where: str = "mixture schedule") -> MixtureSchedule:
-        """A schedule from its config form (parsed JSON or TOML; :meth:`to_mapping` writes it)::
-
-            {"unit": "tokens", "phase": [{"start": 0, "weights": {"web": 0.7, "code": 0.3}},
-                                         {"start": 9e6, "ramp": 1e6, "weights": {"web": 0.3, "math": 0.7}}]}
-
-        or ``{"weights": {...}}`` for constant weights. Unknown keys are refused, naming them;
-        ``where`` begins every error (a file's path).
-        """
-        try:
-            _known(data, ("phase", "unit", "weights"))
-            if ("phase" in data) == ("weights" in data):
-                raise ValueError(
-                    "give either phase (a list of phases) or weights (constant weights), not both or neither"
-                )
-            phases = [{"start": 0, "weights": data["weights"]}] if "weights" in data else data["phase"]
-            if not isinstance(phases, (list, tuple)) or not phases:
-                raise ValueError(f"phase must be a non-empty list of phases, got {phases!r}")
-            return cls(tuple(_phase(i, raw) for i, raw in enumerate(phases)), data.get("unit", "tokens"))
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -165,31 +134,11 @@ class MixtureSchedule:
         )
 
     def to_mapping(self) -> dict[str, Any]:
-        """The config form, plain values (:meth:`from_mapping` reads it back to an equal schedule)."""
+        """The config form, plain values (``streaming.mixture_file.schedule_from_mapping`` reads it)."""
         return {
             "unit": self.unit,
             "phase": [{"start": p.start, "ramp": p.ramp, "weights": dict(p.weights)} for p in self.phases],
         }
-
-
-def _known(data: Any, known: tuple[str, ...]) -> None:
-    if not isinstance(data, Mapping):
-        raise ValueError(f"must be a table (mapping) with {', '.join(known)}, got {type(data).__qualname__}")
-    for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, 1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"unknown key {key!r}{hint}; known: {', '.join(known)}")
-
-
-def _phase(i: int, raw: Any) -> Phase:
-    try:
-        _known(raw, ("ramp", "start", "weights"))
-        if "start" not in raw or "weights" not in raw:
-            raise ValueError("missing start or weights")
-        return Phase(raw["start"], raw["weights"], raw.get("ramp", 0.0))
-    except ValueError as e:
-        raise ValueError(f"phase {i}: {e}") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -248,10 +197,9 @@ class Allocation:
             raise ValueError(f"progress went back from {self.progress:g} to {progress:g}")
         step, short = _Step(self, self.weights_at(progress)), short or {}
         every: list[list[str]] = [[] for _ in range(self.dp_size)]
-        counts: list[Counter[str]] = [Counter() for _ in range(self.dp_size)]
 
         def taken(names: list[str]) -> set[tuple[int, str, int]]:
-            return {(r, name, counts[r][name]) for r, name in enumerate(names)} & short.keys()
+            return {(r, name, every[r].count(name)) for r, name in enumerate(names)} & short.keys() if short else set()
 
         for _ in range(rows):
             column = step.column()
@@ -264,7 +212,6 @@ class Allocation:
                 step.credit(key, -short[key] if key in ahead else short[key])
             for r, name in enumerate(column[0]):
                 every[r].append(name)
-                counts[r][name] += 1
         return every, dataclasses.replace(
             self, rows=step.rows, owed=step.owed, replicas=step.replicas, progress=progress
         )
@@ -300,11 +247,9 @@ class Allocation:
             raise ValueError(
                 f"mixture state: expected Allocation.state_dict() of version {STATE_VERSION} ({', '.join(keys)})"
             )
-        saved, last, excluded = (
-            MixtureSchedule.from_mapping(json.loads(state["schedule"]), "mixture state: schedule"),
-            _progress(state["progress"]),
-            frozenset(state["excluded"]),
-        )
+        form = json.loads(state["schedule"])  # to_mapping's, checked when it was made
+        saved = MixtureSchedule(tuple(Phase(**phase) for phase in form["phase"]), form["unit"])
+        last, excluded = _progress(state["progress"]), frozenset(state["excluded"])
         at = last if progress is None else _progress(progress)
         if at < last:
             raise ValueError(f"mixture state: progress {at:g} is before the saved progress {last:g}")
@@ -335,38 +280,37 @@ class _Step:
         self.vector = np.array(list(weights.values()))
         self.delta = 1 / (2 * len(weights) - 2) if len(weights) > 1 else 0.0
 
-    def column(self) -> tuple[list[str], dict[str, float], np.ndarray]:
+    def column(self) -> tuple[list[str], dict[str, float], np.ndarray, list[int]]:
         """Row ``j`` of every replica: its sources over all replicas by Tijdeman's rule, each
         placed on a replica greatest per-replica deficit first (ties: replica, then source); with
-        the counters after it, over all replicas and per replica."""
-        dp, owed, picks = len(self.replicas), dict(self.owed), Counter[str]()
+        the counters after it, over all replicas and per replica, and the rows of each source."""
+        weights, delta, dp, n = self.weights, self.delta, len(self.replicas), len(self.names)
+        owed, picks = dict(self.owed), [0] * n
         for _ in range(dp):
-            for name, weight in self.weights:
+            for name, weight in weights:
                 owed[name] += weight
-            chosen, soonest = None, math.inf
-            for name, weight in self.weights:  # earliest deadline among the eligible; ties: first name
-                if owed[name] >= self.delta - _SLACK and (1 - self.delta - owed[name]) / weight < soonest:
-                    chosen, soonest = name, (1 - self.delta - owed[name]) / weight
-            if chosen is None:  # none eligible: only after a change of weights left deficits behind
-                chosen = max(self.names, key=owed.__getitem__)
-            owed[chosen] -= 1.0
+            chosen, soonest = -1, math.inf
+            for k, (name, weight) in enumerate(weights):  # earliest deadline among the eligible; ties: first
+                if owed[name] >= delta - _SLACK and (due := (1 - delta - owed[name]) / weight) < soonest:
+                    chosen, soonest = k, due
+            if chosen < 0:  # none eligible: only after a change of weights left deficits behind
+                chosen = max(range(n), key=lambda k: owed[self.names[k]])
+            owed[self.names[chosen]] -= 1.0
             picks[chosen] += 1
-        deficit = self.replicas[:, self.columns] + self.vector  # (replica, active source)
-        placed, left = [""] * dp, dp
+        deficit, left, placed = self.replicas[:, self.columns] + self.vector, list(picks), [-1] * dp
         for flat in np.argsort(-deficit, axis=None, kind="stable").tolist():  # ties in (replica, source) order
-            r, k = divmod(flat, len(self.names))
-            if not placed[r] and picks[self.names[k]] > 0:
-                placed[r], left = self.names[k], left - 1
-                picks[self.names[k]] -= 1
-                deficit[r, k] -= 1.0
-                if not left:
+            r, k = divmod(flat, n)
+            if placed[r] < 0 and left[k]:
+                placed[r], left[k], dp = k, left[k] - 1, dp - 1
+                if not dp:
                     break
-        return placed, owed, deficit
+        deficit[np.arange(len(placed)), placed] -= 1.0
+        return [self.names[k] for k in placed], owed, deficit, picks
 
-    def take(self, column: tuple[list[str], dict[str, float], np.ndarray]) -> None:
-        names, self.owed, self.replicas[:, self.columns] = column
-        for name in names:
-            self.rows[name] += 1
+    def take(self, column: tuple[list[str], dict[str, float], np.ndarray, list[int]]) -> None:
+        _, self.owed, self.replicas[:, self.columns], picks = column
+        for name, rows in zip(self.names, picks):
+            self.rows[name] += rows
 
     def credit(self, key: tuple[int, str, int], rows: float) -> None:
         """Replica ``key[0]``'s row of ``key[1]`` held ``rows`` (of a row) fewer real tokens: it
