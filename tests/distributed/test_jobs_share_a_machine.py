@@ -13,15 +13,13 @@ leader, or ``shared memory prefix=0 was not registered by local leader`` on the 
 jobs in the slow variant; the default one failed too). The kill test at ``killed_at=0`` failed
 then as well (``Reused local directory``).
 
-torchrun starts each rank in a session of its own: :func:`kill_job` kills a job's whole process
-tree (``tests/support/processes.py``'s ``run_group`` kills the agent's process group only).
+torchrun starts each rank in a session of its own: ``tests/support/processes.py``'s
+``kill_tree`` kills a job's whole process tree (``run_group`` uses it too).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +28,8 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import kill_tree
+from torch.distributed import TCPStore
 
 from collective_loader.streaming.cleanup import claim_prefix, free, remove_stale
 
@@ -39,40 +39,6 @@ KINDS = ("plain", "packing", "mixture")
 JOB_TIMEOUT = 240.0
 
 
-def tree(pid: int) -> list[int]:
-    """``pid`` and every process descended from it (torchrun starts each rank in a session of its
-    own, so killing the agent's process group does not reach them)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def kill_job(pid: int) -> None:
-    """``kill -9`` of a whole job: the agent, its ranks, their DataLoader workers and resource
-    trackers. Stopped first, until no new process appears, so that none is orphaned meanwhile."""
-    stopped: set[int] = set()
-    while new := set(tree(pid)) - stopped:
-        for p in new:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGSTOP)
-        stopped |= new
-    for p in stopped:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-
-
 def run_job(cmd: list[str], timeout: float = JOB_TIMEOUT) -> tuple[int, str, str]:
     """``(returncode, stdout, stderr)`` of a torchrun job; past ``timeout`` the whole job is
     killed and the return code is -1."""
@@ -80,7 +46,7 @@ def run_job(cmd: list[str], timeout: float = JOB_TIMEOUT) -> tuple[int, str, str
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_job(proc.pid)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         return -1, out, f"killed after {timeout}s\n{err}"
     return proc.returncode, out, err
@@ -115,19 +81,24 @@ def data(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def start_together(data: dict[str, str], sync: Path, rounds: int) -> list[tuple[int, str, str]]:
+def start_together(data: dict[str, str], rounds: int) -> list[tuple[int, str, str]]:
     """Start one job per kind at once; each runs ``rounds`` rounds, building its loader at the same
-    instant as the others in every round. ``(returncode, stdout, stderr)`` per job."""
+    moment as the others in every round (they wait on this store's keys). ``(returncode, stdout,
+    stderr)`` per job."""
     results: list[tuple[int, str, str] | None] = [None] * len(KINDS)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    sync = f"127.0.0.1:{store.port}"
 
     def run(job: int, kind: str) -> None:
         # the plain job removes stale files first, while the others create theirs (as the demo does)
         extra = ["--clean-stale"] if kind == "plain" else []
-        cmd = torchrun(kind, data[kind], str(sync), str(job), str(len(KINDS)), str(rounds), *extra)
+        cmd = torchrun(kind, data[kind], sync, str(job), str(len(KINDS)), str(rounds), *extra)
         try:
             results[job] = run_job(cmd)
         finally:  # the other jobs stop waiting for this one
-            (sync / f"ended_{job}").touch()
+            client = TCPStore("127.0.0.1", store.port, is_master=False)
+            for round_ in range(rounds):
+                client.add(f"ready_{round_}_{job}", 1)
 
     threads = [threading.Thread(target=run, args=(job, kind)) for job, kind in enumerate(KINDS)]
     for t in threads:
@@ -149,14 +120,12 @@ def describe(results: list[tuple[int, str, str]]) -> str:
     )
 
 
-def launch_rounds(data: dict[str, str], tmp_path: Path, launches: int, rounds: int) -> None:
+def launch_rounds(data: dict[str, str], launches: int, rounds: int) -> None:
     """``launches`` times, 3 jobs started together, each of ``rounds`` rounds: every job passes."""
     failed = []
     for launch in range(launches):
-        sync = tmp_path / f"sync_{launch}"
-        sync.mkdir()
         t0 = time.perf_counter()
-        results = start_together(data, sync, rounds)
+        results = start_together(data, rounds)
         ok = sum(passed(r, rounds) for r in results)
         seconds = time.perf_counter() - t0
         print(f"launch {launch}: {ok} of {len(results)} jobs passed ({rounds} rounds each), {seconds:.0f}s")
@@ -166,18 +135,18 @@ def launch_rounds(data: dict[str, str], tmp_path: Path, launches: int, rounds: i
 
 
 @pytest.mark.timeout(400)
-def test_three_jobs_started_together_all_pass(data, tmp_path):
+def test_three_jobs_started_together_all_pass(data):
     """3 jobs at once, building their loaders at the same instant 3 times over (one launch: the
     jobs' imports, 15 s of this 2-core machine's time, are paid once)."""
-    launch_rounds(data, tmp_path, launches=1, rounds=2)
+    launch_rounds(data, launches=1, rounds=2)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_three_jobs_started_together_five_times(data, tmp_path):
+def test_three_jobs_started_together_five_times(data):
     """The issue's criterion: 3 jobs started together, 5 times: 15 of 15 pass (each building its
     loader at the same instant as the others twice)."""
-    launch_rounds(data, tmp_path, launches=5, rounds=2)
+    launch_rounds(data, launches=5, rounds=2)
 
 
 # --- the claim itself, in this process --------------------------------------------------------
@@ -280,11 +249,10 @@ def test_a_job_killed_with_sigkill_leaves_nothing_that_stops_the_next(data, tmp_
     when no lock file made it skip that prefix); ``remove_stale`` (``clean_stale=True``) removes
     them."""
     remote, cache = data["plain"], str(tmp_path / "cache")
-    sync, prefix_file = tmp_path / "sync", str(tmp_path / "prefix")
-    sync.mkdir()
+    prefix_file = str(tmp_path / "prefix")
     args = ("--remote", remote, "--prefix-file", prefix_file, "--stop-after", str(killed_at))
     job = subprocess.Popen(
-        torchrun("plain", cache, str(sync), "0", "1", "1", *args),
+        torchrun("plain", cache, "-", "0", "1", "1", *args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -297,15 +265,13 @@ def test_a_job_killed_with_sigkill_leaves_nothing_that_stops_the_next(data, tmp_
             out += job.stdout.readline()
         assert "stopped" in out, out + (job.stdout.read() if job.poll() is not None else "")
     finally:
-        kill_job(job.pid)
+        kill_tree(job.pid)  # the agent, its ranks, their DataLoader workers and resource trackers
         job.communicate()
     prefixes = {int(p) for r in (0, 1) for p in Path(f"{prefix_file}.{r}").read_text().split()}
     left = files_of(prefixes)
     assert any(n.endswith("_locals") for n in left), f"the killed job should have left its blocks: {left}"
 
-    sync = tmp_path / "sync_next"
-    sync.mkdir()
-    result = run_job(torchrun("plain", cache, str(sync), "0", "1", "1", "--remote", remote))
+    result = run_job(torchrun("plain", cache, "-", "0", "1", "1", "--remote", remote))
     assert passed(result, 1), describe([result])
     assert files_of(prefixes) == left  # passed beside them, not touching them
     remove_stale()  # what StreamingSource(clean_stale=True) runs first (test_streaming runs that)

@@ -8,12 +8,14 @@ KIND: ``plain`` (``StreamingSource`` of the demo's samples, one DataLoader worke
 sources ``a`` and ``b``). DATA: the job's own dataset (``DATA/a``, ``DATA/b`` for a mixture), as
 :func:`write` wrote it for JOB.
 
-Each of ROUNDS rounds: the job's ranks get ready, its rank 0 writes ``SYNC/ready_<round>_<JOB>``,
-and every rank waits until all JOBS jobs are ready (or ended: the test writes
-``SYNC/ended_<job>`` when a job exits, and the others go on without it), then until one second after the last of them
-got ready (the same instant in every job), builds its loader (the leaders build streaming's
-datasets then, all jobs at once), runs one epoch, checks it and closes the loader. Rank 0 prints
-``round R ok`` for each round that passed; any failure raises (the job exits non-zero).
+Each of ROUNDS rounds: the job's ranks get ready, its rank 0 sets ``ready_<round>_<JOB>`` in the
+test's key-value store (SYNC: ``host:port`` of a ``TCPStore``; ``-``: no other job to wait for),
+and every rank waits until the key of each of the JOBS jobs is there (the test sets those of a
+job that exited, and the others go on without it): the store answers every waiting rank of
+every job at once, when the last key is set. Then it builds its loader (the leaders build
+streaming's datasets then, all jobs at once), runs one epoch, checks it and closes the loader.
+Rank 0 prints ``round R ok`` for each round that passed; any failure raises (the job exits
+non-zero).
 
 ``--remote``, ``--clean-stale`` (plain only): DATA is the local cache of the remote directory
 ``--remote``; ``StreamingSource(clean_stale=True)``.
@@ -25,7 +27,7 @@ before its first step) and wait to be killed (the test's ``kill -9``).
 from __future__ import annotations
 
 import argparse
-import glob
+import datetime
 import os
 import time
 from collections import Counter
@@ -37,6 +39,7 @@ SAMPLES, SEQ_LEN, BATCH = 64, 16, 4
 DOCUMENTS, STRIDE = 90, 64  # token documents: token k of document i is base + i * STRIDE + k
 BASE = 20000  # job j's tokens lie in [j * BASE, (j + 1) * BASE): another job's token is caught
 TIMEOUT = 60.0  # the loaders' and sources': a job that waits for ever (blocks shared with another job) fails
+SYNC_TIMEOUT = 300.0  # seconds a rank waits for the other jobs (their torchrun and imports on a loaded machine)
 
 
 def lengths(seed: int) -> list[int]:
@@ -56,21 +59,23 @@ def write(kind: str, data: str, job: int) -> None:
         write_token_documents(os.path.join(data, name), docs, "bytes", "uint16", shard_bytes=1 << 10)
 
 
-def wait_for_every_job(sync: str, round_: int, job: int, jobs: int) -> None:
-    """Every rank of every job returns at the same instant (one second after the last job was ready)."""
+def sync_store(sync: str) -> dist.TCPStore | None:
+    """A client of the test's store at ``host:port``; ``None`` for ``-``."""
+    if sync == "-":
+        return None
+    host, port = sync.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=SYNC_TIMEOUT))
+
+
+def wait_for_every_job(store: dist.TCPStore | None, round_: int, job: int, jobs: int) -> None:
+    """Every rank of every job returns at the same moment: when the last job is ready (a job that
+    failed is not waited for: the test sets its keys)."""
     dist.barrier()  # this job's ranks are ready
+    if store is None:
+        return
     if dist.get_rank() == 0:
-        with open(os.path.join(sync, f"ready_{round_}_{job}"), "w"):
-            pass
-    while True:
-        names = glob.glob(os.path.join(sync, f"ready_{round_}_*"))
-        ready = {int(n.rsplit("_", 1)[1]) for n in names}
-        ended = {int(n.rsplit("_", 1)[1]) for n in glob.glob(os.path.join(sync, "ended_*"))}
-        if len(ready | ended) == jobs:  # a job that failed is not waited for
-            break
-        time.sleep(0.005)
-    start = max(os.stat(n).st_mtime for n in names) + 1.0
-    time.sleep(max(0.0, start - time.time()))
+        store.add(f"ready_{round_}_{job}", 1)
+    store.wait([f"ready_{round_}_{j}" for j in range(jobs)])
 
 
 def build(kind: str, data: str, mesh, remote: str | None = None, clean_stale: bool = False):
@@ -155,8 +160,9 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    store = sync_store(a.sync)
     for round_ in range(a.rounds):
-        wait_for_every_job(a.sync, round_, a.job, a.jobs)
+        wait_for_every_job(store, round_, a.job, a.jobs)
         loader = build(a.kind, a.data, mesh, a.remote, a.clean_stale)
         if a.prefix_file and loader.is_leader:
             with open(f"{a.prefix_file}.{dist.get_rank()}", "w") as f:
