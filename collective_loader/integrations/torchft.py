@@ -1,0 +1,268 @@
+"""Live elasticity under torchft: replica groups leave and join a running job, and over the
+committed steps every sample is trained exactly once, with a constant global batch.
+
+:class:`QuorumData` holds the job's whole data state, one **cursor** into a fixed global order of
+the dataset's samples (:mod:`collective_loader.plan.quorum`), and registers it with torchft's
+``Manager`` so that a group that heals takes it from a live peer. Each step it reads the
+step's quorum (``participating_rank()``, ``num_participants()``), computes this replica's share
+of the window ``[cursor, cursor + global_batch)``, and has the replica's leader read those
+samples by index and deliver them as micro-batches with a
+:class:`~collective_loader.CollectiveLoader` over the group's own ``DeviceMesh``. The cursor moves
+only when the step commits, so a step that does not commit is served again to the next quorum,
+re-divided over whoever is there. See docs/torchft.md.
+
+The training loop, on every rank of a replica group::
+
+    data = QuorumData(dataset, mesh, manager, global_batch=G, micro_batch=m, inputs=..., labels=...)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # a group outside the step all-reduces zeros
+    while manager.current_step() < steps:
+        manager.start_quorum()
+        for batch in data.step():  # this replica's micro-batches (none outside the step)
+            loss = loss_fn(model(batch["x"]), batch["y"], reduction="sum") / data.global_samples
+            loss.backward()
+        for p in model.parameters():
+            manager.allreduce(p.grad, reduce_op=ReduceOp.SUM).wait()  # SUM: the loss is global already
+        committed = manager.should_commit()
+        if committed:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        data.end_step(committed)
+
+torchft is imported by nothing here: ``manager`` is any object with torchft's ``Manager``
+methods used above, so importing this module never needs torchft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import default_collate
+
+from collective_loader.loader import CollectiveLoader
+from collective_loader.plan.quorum import GlobalOrder, StepShare, step_share
+from collective_loader.types import Batch
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+__all__ = ["QuorumData"]
+
+_FORMAT = 1
+
+
+class QuorumData:
+    """One replica group's data under torchft: each step, this replica's share of a constant
+    global batch, split by the step's quorum; a committed cursor torchft hands to healing groups.
+
+    Build it on every rank of the replica group (a collective, like the
+    :class:`~collective_loader.CollectiveLoader` it builds), after the ``Manager`` and before
+    the first ``start_quorum()``.
+
+    Args:
+        dataset: anything with ``__len__`` and ``__getitem__(index)`` returning one sample (a
+            list, a map-style ``Dataset``, a ``streaming.StreamingDataset``), or a zero-argument
+            callable returning one, called on the replicas' leaders only. Only leaders read it.
+        mesh: the replica group's own ``DeviceMesh`` (every rank of the group's
+            ``torch.distributed`` world); its data dims (``dp_shard``, ``dp``, ...) split the
+            group's share again, its ``tp`` peers get copies, as in any ``CollectiveLoader``.
+        manager: the group's ``torchft.Manager``. Its ``participating_rank()`` and
+            ``num_participants()`` choose the share; the state is registered with its
+            ``register_state_dict_fn(state_key, ...)``.
+        global_batch: samples per step over the whole job, whatever the quorum (``G``).
+        micro_batch: the most samples one micro-batch holds; a replica delivers its share as
+            ``ceil(share / micro_batch)`` micro-batches (the same count on every replica of the group).
+        collate: samples -> one batch (default ``torch.utils.data.default_collate``); an empty
+            micro-batch is the collate of one sample with every tensor cut to 0 rows.
+        shuffle, seed: the global order: a permutation of the dataset per pass, from ``seed``
+            and the pass (or the identity without ``shuffle``), the same on every process.
+        state_key: the key of the state registered with the manager.
+        **loader_options: the :class:`~collective_loader.LoaderConfig` fields (``inputs=``,
+            ``labels=``, ``every_stage=``, ``seq_dims=``, ``timeout=``, ...).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        mesh: DeviceMesh,
+        manager: Manager,
+        *,
+        global_batch: int,
+        micro_batch: int,
+        collate: Callable[[list[Any]], Batch] | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        state_key: str = "collective_loader",
+        **loader_options: Any,
+    ) -> None:
+        if global_batch < 1 or micro_batch < 1:
+            raise ValueError(f"global_batch and micro_batch must be >= 1, got {global_batch} and {micro_batch}")
+        self.manager = manager
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.shuffle, self.seed = shuffle, seed
+        self.cursor = 0  # samples of the global order the committed steps trained
+        self.share: StepShare | None = None  # the current (or last) step's share for this replica
+        self._step_number: int | None = None  # the manager's step while a step is open
+        self.loader = CollectiveLoader(
+            lambda: _StepSource(dataset, collate or default_collate, seed, shuffle), mesh, **loader_options
+        )
+        manager.register_state_dict_fn(state_key, self._load_live_state, self.state_dict)
+
+    @property
+    def global_samples(self) -> int:
+        """The loss normaliser: the samples of the whole step over every participant (the global
+        batch). Divide a summed loss by it and all-reduce gradients with ``SUM``."""
+        return self.global_batch
+
+    def step(self) -> Iterator[Batch]:
+        """This rank's micro-batches of the current step, after ``manager.start_quorum()``.
+
+        Blocks on the quorum (``participating_rank()``), computes this replica's share
+        (:attr:`share`), and returns an iterator of its micro-batches, each delivered by the
+        replica's leader (none when the group takes no part in the step: a healing group in
+        torchft's asynchronous mode). Iterate it to the end before :meth:`end_step`."""
+        if self._step_number is not None:
+            raise RuntimeError("QuorumData.step() again before end_step(committed) of the step before")
+        participant = self.manager.participating_rank()  # blocks until the quorum is known
+        participants = self.manager.num_participants()
+        self._step_number = self.manager.current_step()
+        loader = self.loader
+        share = step_share(
+            self.cursor, self.global_batch, participant, participants, loader.dp_rank, loader.dp_size, self.micro_batch
+        )
+        self.share = share
+        if not share.micro_batches:  # the whole group agrees: it saw the same quorum
+            return iter(())
+        source = loader.source
+        if source is not None:  # a leader: read only this step's share, nothing ahead
+            assert isinstance(source, _StepSource)
+            source.request = share.micro_batches
+        return iter(loader)
+
+    def end_step(self, committed: bool) -> None:
+        """After ``manager.should_commit()``: pass what it returned. The cursor moves by the
+        global batch only on ``True``; otherwise the same window is served to the next quorum."""
+        if self._step_number is None:
+            raise RuntimeError("QuorumData.end_step() without a step()")
+        expected = self._step_number + (1 if committed else 0)
+        self._step_number = None
+        if self.manager.current_step() != expected:
+            raise RuntimeError(
+                f"end_step(committed={committed}) but the manager is at step {self.manager.current_step()}, "
+                f"expected {expected}: pass what manager.should_commit() returned, once per step"
+            )
+        if committed:
+            self.cursor += self.global_batch
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data state (the committed cursor and what fixes the order): what the manager sends a
+        healing group, and what a checkpoint saves beside ``manager.state_dict()``."""
+        return {
+            "format": _FORMAT,
+            "cursor": self.cursor,
+            "global_batch": self.global_batch,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (a checkpoint's). ``ValueError`` for a state of another
+        global batch or order."""
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"not a QuorumData state (format {_FORMAT}): {str(state)[:200]}")
+        mine = self.state_dict()
+        differ = [k for k in ("global_batch", "seed", "shuffle") if state[k] != mine[k]]
+        if differ:
+            raise ValueError(
+                "the state was saved with "
+                + ", ".join(f"{k}={state[k]!r}" for k in differ)
+                + ", this QuorumData has "
+                + ", ".join(f"{k}={mine[k]!r}" for k in differ)
+            )
+        self.cursor = int(state["cursor"])
+
+    def _load_live_state(self, state: Mapping[str, Any]) -> None:
+        # torchft calls this on a healing group: in synchronous mode inside start_quorum (before
+        # step()), in asynchronous mode inside should_commit, when this group trained nothing
+        self.load_state_dict(state)
+
+    def close(self) -> None:
+        """Close the loader (its threads and groups); on every rank of the group."""
+        self.loader.close()
+
+    def __enter__(self) -> QuorumData:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _StepSource:
+    """A leader's source: one ``iter()`` yields the micro-batches of one step's request (position
+    ranges of the global order) and ends, so the loader's transfer thread never reads ahead of
+    the step the training loop asked for."""
+
+    elastic = True  # nothing of its own to resume: the state is QuorumData's cursor
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Batch], seed: int, shuffle: bool) -> None:
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) and callable(dataset):
+            dataset = dataset()
+        self.dataset = dataset
+        self.order = GlobalOrder(len(dataset), seed, shuffle)
+        self.collate = collate
+        self.request: Sequence[tuple[int, int]] = ()
+        self._empty: Batch | None = None
+        self._samples = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        request, self.request = self.request, ()
+        for lo, hi in request:
+            if hi == lo:
+                yield self._empty_batch()
+                continue
+            self._samples += hi - lo
+            batch = self.collate([self.dataset[i] for i in self.order.indices(lo, hi)])
+            if self._empty is None:
+                self._empty = _no_rows(batch)
+            yield batch
+
+    def _empty_batch(self) -> Batch:
+        if self._empty is None:  # no batch read yet: the keys and shapes of sample 0
+            self._empty = _no_rows(self.collate([self.dataset[0]]))
+        return self._empty
+
+    def state_dict(self) -> Any:
+        return None
+
+    def resume(self, state: Any, steps: int) -> None:
+        pass
+
+    def checkpoint_state(self, snapshot: Any) -> Any:
+        return snapshot
+
+    def stop(self) -> None:
+        self.request = ()
+
+    def stats(self) -> dict[str, float]:
+        return {"quorum_samples_read": float(self._samples)}
+
+    def close(self) -> None:
+        close = getattr(self.dataset, "close", None)
+        if callable(close):
+            close()
+
+
+def _no_rows(value: Any) -> Any:
+    """``value`` with every tensor cut to 0 rows (an empty micro-batch of the same keys)."""
+    if isinstance(value, torch.Tensor):
+        return value[:0] if value.dim() else value
+    if isinstance(value, Mapping):
+        return {k: _no_rows(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return []
+    return value
