@@ -29,6 +29,9 @@ What a fake world cannot give, and what this does instead:
 * a middle stage outside delivery reads its leader's configuration digest from the job's store:
   with no leader, this process posts it (the digest of its own config) when the loader's control
   group is created, as the leader would.
+* the loader is not closed: rank 0 hosts the job's store, and its ``close()`` (the one at
+  interpreter exit too) waits for every rank outside delivery to close its loader; the process
+  ends with ``os._exit`` once it has printed its figures.
 """
 
 from __future__ import annotations
@@ -265,8 +268,8 @@ def main() -> int:
     a = parser.parse_args()
     if a.one:
         shape, rank = tuple(int(s) for s in a.one[0].split(",")), int(a.one[1])
-        print(json.dumps(one_rank(shape, rank)))
-        return 0
+        print(json.dumps(one_rank(shape, rank)), flush=True)
+        os._exit(0)  # no close: rank 0 hosts the store and waits there for ranks a fake world does not have
     run = Run("scale.py")
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
