@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -32,22 +31,19 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _threads(ended: frozenset[int] = frozenset()) -> int:
+    """The OS thread count, less the ``ended`` ones: the native ids of Python threads that have
+    ended, whose OS thread may still be listed in /proc while it finishes exiting (seen as +2 on
+    a loaded machine). A leaked thread, native or Python, is counted."""
+    return len(set(os.listdir("/proc/self/task")) - {str(t) for t in ended})
+
+
+def _loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("collective_loader")]
 
 
 def _ours() -> int:
-    return sum(t.name.startswith("collective_loader") for t in threading.enumerate())
-
-
-def _settled_threads(at_most: int, wait: float = 2.0) -> int:
-    """The OS thread count, given ``wait`` seconds to fall to ``at_most``: a joined Python thread
-    is still listed in /proc until its OS thread has finished exiting (seen here as +2 on a loaded
-    machine); a leaked one never leaves."""
-    deadline = time.monotonic() + wait
-    while (n := _threads()) > at_most and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return n
+    return len(_loader_threads())
 
 
 def soak(steps: int):
@@ -59,14 +55,16 @@ def soak(steps: int):
     )
     fds0, threads0 = _fds(), _threads()
     warm = steps // 10
-    samples, in_epoch = [], None
+    samples, in_epoch, epoch_threads = [], None, frozenset()
     n = 0
     for n, _ in enumerate(loader, 1):
         if n == warm:
             in_epoch = (_fds(), _threads(), _ours())
+            epoch_threads = frozenset(t.native_id for t in _loader_threads())
         if n >= warm and n % max(1, steps // 100) == 0:
             samples.append((n, _rss()))
-    end_of_epoch = (_fds(), _settled_threads(threads0), _ours())
+    # the epoch's threads have ended (``ours`` checks it): their OS threads are not counted
+    end_of_epoch = (_fds(), _threads(epoch_threads), _ours())
     loader.close()
     steps_at, rss = np.array(samples, dtype=np.float64).T
     slope = float(np.polyfit(steps_at, rss, 1)[0])  # bytes per step
