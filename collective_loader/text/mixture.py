@@ -244,9 +244,7 @@ class Allocation:
         never makes a source catch up for the past), but at another ``dp_size`` the replicas' start afresh."""
         keys = ("version", "schedule", "progress", "excluded", "rows", "owed", "replicas")
         if not isinstance(state, Mapping) or not set(keys) <= state.keys() or state["version"] != STATE_VERSION:
-            raise ValueError(
-                f"mixture state: expected Allocation.state_dict() of version {STATE_VERSION} ({', '.join(keys)})"
-            )
+            raise ValueError(f"mixture state: expected an Allocation.state_dict() of version {STATE_VERSION}")
         form = json.loads(state["schedule"])  # to_mapping's, checked when it was made
         saved = MixtureSchedule(tuple(Phase(**phase) for phase in form["phase"]), form["unit"])
         last, excluded = _progress(state["progress"]), frozenset(state["excluded"])
@@ -325,27 +323,22 @@ class _Step:
 
 
 def _changes(
-    old: MixtureSchedule, new: MixtureSchedule, progress: float, rows: Mapping[str, float], excluded: frozenset[str]
+    old: MixtureSchedule, new: MixtureSchedule, at: float, rows: Mapping, excluded: frozenset[str]
 ) -> list[str]:
-    """What an edit of the schedule changes, one line each, for the log."""
+    """What an edit of the schedule changes, one line each, for the log (weights compared ``at``)."""
     if old == new:
         return []
-    lines = (
-        [f"unit: {old.unit} -> {new.unit} (the saved progress {progress:g} is now read in {new.unit})"]
-        if old.unit != new.unit
-        else []
-    )
+    unit = f"unit: {old.unit} -> {new.unit} (the saved progress {at:g} is now read in {new.unit})"
+    lines = [unit] if old.unit != new.unit else []
     for i in range(max(len(old.phases), len(new.phases))):
         a, b = (s.phases[i].describe() if i < len(s.phases) else "none" for s in (old, new))
         lines += [f"phase {i}: {a} -> {b}"] if a != b else []
     for name in sorted(set(new.sources) - set(old.sources)):
-        lines.append(
-            f"source added: {name}"
-            + (f" (continues from its saved counters: {rows[name]} rows)" if rows.get(name) else "")
-        )
+        saved = f" (continues from its saved counters: {rows[name]} rows)" if rows.get(name) else ""
+        lines.append(f"source added: {name}{saved}")
     for name in sorted(set(old.sources) - set(new.sources)):
         lines.append(f"source dropped: {name} (its counters stay in the state: {rows.get(name, 0)} rows)")
-    before, after = (_normalized(s.weights_at(progress), excluded) for s in (old, new))
+    before, after = (_normalized(s.weights_at(at), excluded) for s in (old, new))
     pairs = {k: (f"{before.get(k, 0):.4g}", f"{after.get(k, 0):.4g}") for k in sorted(before.keys() | after.keys())}
     moved = [f"{k} {a} -> {b}" for k, (a, b) in pairs.items() if a != b]
-    return [*lines, f"weights at progress {progress:g} {new.unit}: {', '.join(moved) or 'unchanged'}"]
+    return [*lines, f"weights at progress {at:g} {new.unit}: {', '.join(moved) or 'unchanged'}"]

@@ -352,10 +352,10 @@ def test_a_dropped_source_keeps_its_counters_and_continues_them_when_added_again
 def test_a_bad_state_is_refused_naming_what_is_wrong():
     good = Rows(THREE).state_dict()
     cases = [
-        ({k: v for k, v in good.items() if k != "progress"}, "expected Allocation.state_dict\\(\\) of version 2"),
+        ({k: v for k, v in good.items() if k != "progress"}, "expected an Allocation.state_dict\\(\\) of version 2"),
         ({**good, "version": 1}, "of version 2"),
         ({**good, "progress": -1.0}, "progress must be a finite number >= 0"),
-        ([], "expected Allocation.state_dict"),
+        ([], "expected an Allocation.state_dict"),
     ]
     for state, needle in cases:
         with pytest.raises(ValueError, match=needle):
