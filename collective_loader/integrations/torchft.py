@@ -100,6 +100,15 @@ class QuorumData:
     ) -> None:
         if global_batch < 1 or micro_batch < 1:
             raise ValueError(f"global_batch and micro_batch must be >= 1, got {global_batch} and {micro_batch}")
+        if getattr(manager, "_use_async_quorum", False) and getattr(manager, "_init_sync", False):
+            # torchft 0.2 heals group ranks at step 0 from different groups, rank by rank; in the
+            # asynchronous mode a healing rank's gradient is zeroed while participating_rank()
+            # still counts it, so part of step 0's data would be trained by half a group
+            raise ValueError(
+                "QuorumData with torchft's asynchronous quorum needs Manager(..., init_sync=False) "
+                "(and the same initial weights on every group, e.g. one seed): with init_sync=True some ranks "
+                "of a group heal at step 0 and their gradients are dropped while their share of the data is counted"
+            )
         self.manager = manager
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.shuffle, self.seed = shuffle, seed
@@ -128,6 +137,11 @@ class QuorumData:
             raise RuntimeError("QuorumData.step() again before end_step(committed) of the step before")
         participant = self.manager.participating_rank()  # blocks until the quorum is known
         participants = self.manager.num_participants()
+        if participant is not None and not self.manager.is_participating():
+            raise RuntimeError(
+                f"torchft gave this rank participant {participant} of {participants} but is_participating() is False "
+                "(a rank that heals in the asynchronous mode): its gradient would be dropped with its share of the data"
+            )
         self._step_number = self.manager.current_step()
         loader = self.loader
         share = step_share(

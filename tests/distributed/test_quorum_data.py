@@ -64,6 +64,9 @@ class ScriptedManager:
     def num_participants(self) -> int:
         return self.quorum[1]
 
+    def is_participating(self) -> bool:
+        return self.quorum[0] is not None
+
     def current_step(self) -> int:
         return self.step_no
 
@@ -183,8 +186,14 @@ def test_a_dataset_error_reaches_every_rank(worlds):
 def out_of_order() -> list[str]:
     mesh = make_mesh(("dp_shard", "tp"), (2, 2))
     manager = ScriptedManager(0)
-    data = QuorumData(list(range(5)), mesh, manager, global_batch=2, micro_batch=1, inputs=("x",), labels=())
     errors = []
+    manager._use_async_quorum = manager._init_sync = True  # torchft's asynchronous quorum with init_sync
+    try:
+        QuorumData(list(range(5)), mesh, manager, global_batch=2, micro_batch=1, inputs=("x",), labels=())
+    except ValueError as e:
+        errors.append(str(e))
+    manager._init_sync = False
+    data = QuorumData(list(range(5)), mesh, manager, global_batch=2, micro_batch=1, inputs=("x",), labels=())
     try:
         data.end_step(True)
     except RuntimeError as e:
@@ -207,5 +216,5 @@ def out_of_order() -> list[str]:
 @pytest.mark.timeout(240)
 def test_steps_out_of_order_are_refused(worlds):
     for errors in worlds.get(4).run(out_of_order):
-        assert len(errors) == 3 and "without a step" in errors[0] and "again before end_step" in errors[1]
-        assert "expected 1" in errors[2]
+        assert len(errors) == 4 and "init_sync=False" in errors[0]
+        assert "without a step" in errors[1] and "again before end_step" in errors[2] and "expected 1" in errors[3]

@@ -1,0 +1,235 @@
+"""A torchft job for the tests: a lighthouse on 127.0.0.1, replica groups as ``torchrun`` jobs of
+``ft_group.py`` that the test starts, kills (SIGKILL, whole process trees) and restarts, and the
+check of what every rank logged: over the committed steps of the surviving lineage, every sample
+once, in the global order, the global batch constant, tp peers identical, labels of their inputs,
+and the final weights those of one plain run over the same global batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from processes import gone, kill_tree
+
+from collective_loader.plan.quorum import GlobalOrder
+
+WORKER = Path(__file__).with_name("ft_group.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class FtJob:
+    """The lighthouse and the groups of one test; :meth:`close` kills every process it started."""
+
+    root: Path
+    mode: str  # "sync" or "async"
+    dim: str = "tp"  # each group's mesh: tp=2 or dp_shard=2
+    global_batch: int = 6
+    micro_batch: int = 2
+    samples: int = 20000  # more than 3000 steps of 6: every sample at most once
+    groups: dict[str, subprocess.Popen] = field(default_factory=dict)
+    started: list[subprocess.Popen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from torchft.coordination import LighthouseServer
+
+        self.lighthouse = LighthouseServer(
+            bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50, heartbeat_timeout_ms=2000
+        )
+        port = self.lighthouse.address().rsplit(":", 1)[1]
+        self.address = f"http://127.0.0.1:{port}"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def start(self, group: str, stop_at: str = "", start_with: int = 0, standby: bool = False) -> None:
+        """Start group ``group`` (a 2-rank torchrun job); ``stop_at="k:phase"`` makes it stop in
+        the k-th step it takes part in, and wait to be killed; ``start_with``: the number of
+        groups started together, which wait for each other before their first step. A
+        ``standby`` waits, its processes started, until :meth:`release` lets it join: a group
+        restarted or new, without the seconds a start costs on two loaded cores."""
+        env = dict(
+            os.environ,
+            TORCHFT_LIGHTHOUSE=self.address,
+            FT_GROUP=group,
+            FT_MODE=self.mode,
+            FT_DIM=self.dim,
+            FT_DIR=str(self.root),
+            FT_STOP_AT=stop_at,
+            FT_START_WITH=str(start_with),
+            FT_HOLD="1" if standby else "0",
+            FT_G=str(self.global_batch),
+            FT_M=str(self.micro_batch),
+            FT_N=str(self.samples),
+            PYTHONPATH=os.pathsep.join([str(REPO), str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
+        )
+        for stale in self.root.glob(f"stopped_{group}_*"):
+            stale.unlink()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        cmd += ["--max-restarts", "0", str(WORKER)]
+        output = open(self.root / f"output_{group}.txt", "a")
+        proc = subprocess.Popen(cmd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        self.groups[f"{group} (standby)" if standby else group] = proc
+        self.started.append(proc)
+
+    def release(self, group: str) -> None:
+        """Let the standby of ``group`` join the job."""
+        self.groups[group] = self.groups.pop(f"{group} (standby)")
+        (self.root / f"go_{group}").write_text("")
+
+    def kill(self, group: str) -> None:
+        """SIGKILL every process of ``group`` (torchrun's agent and its ranks, in their sessions)."""
+        proc = self.groups.pop(group)
+        kill_tree(proc.pid)
+        proc.wait()
+
+    def records(self) -> list[dict]:
+        out = []
+        for path in sorted(self.root.glob("log_*.jsonl")):
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    out.append(json.loads(line))
+        return out
+
+    def committed_steps(self, group: str | None = None, trained: bool = False) -> int:
+        """Steps committed so far (by ``group``'s restarted processes too; ``trained``: only steps
+        where it took part)."""
+        recs = self.records()
+        took_part = {(r["pid"], r["step"]) for r in recs if r["event"] == "serve" and r["participant"] is not None}
+        return sum(
+            r["event"] == "commit"
+            and r["committed"]
+            and (group is None or r["group"] == group)
+            and (not trained or (r["pid"], r["step"]) in took_part)
+            for r in recs
+        )
+
+    def wait_for(self, what, timeout: float, message: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            for group, proc in self.groups.items():
+                if proc.poll() is not None:
+                    raise AssertionError(f"group {group} exited early ({proc.returncode}): {self.output(group)}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {message}")
+            time.sleep(0.1)
+
+    def stopped(self, group: str) -> bool:
+        return len(list(self.root.glob(f"stopped_{group}_*"))) == 2
+
+    def max_step(self) -> int:
+        return max((r["step"] for r in self.records() if r["event"] == "commit" and r["committed"]), default=-1)
+
+    def finish(self, extra_steps: int, timeout: float) -> None:
+        """Every group stops after ``extra_steps`` more steps; wait until all have exited 0."""
+        (self.root / "finish").write_text(str(self.max_step() + 1 + extra_steps))
+        deadline = time.monotonic() + timeout
+        for group, proc in self.groups.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"group {group} did not finish: {self.output(group)}") from None
+            assert proc.returncode == 0, f"group {group} failed: {self.output(group)}"
+
+    def output(self, group: str) -> str:
+        path = self.root / f"output_{group}.txt"
+        return path.read_text()[-3000:] if path.exists() else ""
+
+    def close(self) -> None:
+        for proc in self.started:
+            if not gone(proc.pid) or proc.poll() is None:
+                kill_tree(proc.pid)
+            proc.wait()
+        self.lighthouse.shutdown()
+
+
+def reference_weights(job: FtJob, steps: int) -> list[float]:
+    """The weights of one plain process trained on the same global batches (no torchft)."""
+    from ft_group import features, new_model
+
+    x, y = features(job.samples)
+    model = new_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    order = GlobalOrder(job.samples, seed=5)
+    for s in range(steps):
+        ids = torch.tensor(order.indices(s * job.global_batch, (s + 1) * job.global_batch))
+        loss = ((model(x[ids]).squeeze(1) - y[ids]) ** 2).sum() / job.global_batch
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [v for p in model.parameters() for v in p.detach().flatten().tolist()]
+
+
+def check(job: FtJob) -> dict:
+    """What the ranks logged, checked; returns the figures (steps, samples, quorum sizes, ...)."""
+    recs = job.records()
+    g = job.global_batch
+    order = GlobalOrder(job.samples, seed=5)
+    serves = [r for r in recs if r["event"] == "serve"]
+    commits = [r for r in recs if r["event"] == "commit" and r["committed"]]
+    assert all(r["labels_ok"] for r in serves), "a rank got labels that are not its inputs'"
+    # the surviving lineage: per step, the last quorum in which some group committed it
+    lineage: dict[int, int] = {}
+    for c in commits:
+        lineage[c["step"]] = max(lineage.get(c["step"], -1), c["qid"])
+    steps = sorted(lineage)
+    assert steps == list(range(len(steps))), f"committed steps with gaps: {steps}"
+    trained: list[int] = []
+    quorum_sizes = []
+    for s in steps:
+        q = lineage[s]
+        for c in commits:
+            if (c["step"], c["qid"]) == (s, q):
+                assert c["cursor_after"] == (s + 1) * g, (
+                    f"step {s}: {c['group']} committed to cursor {c['cursor_after']}"
+                )
+        # the last serve of each process in that attempt
+        last: dict[tuple[int, int], dict] = {}
+        for r in serves:
+            if (r["step"], r["qid"]) == (s, q):
+                last[(r["pid"], r["rank"])] = r
+        replicas: dict[tuple, list[list[int]]] = defaultdict(list)
+        for r in last.values():
+            if r["participant"] is not None:
+                assert r["cursor"] == s * g, f"step {s}: served from cursor {r['cursor']}"
+                replicas[(r["participant"], r["dp_rank"], r["group"])].append(r["ids"])
+        for key, copies in replicas.items():
+            assert all(c == copies[0] for c in copies), f"step {s}: tp peers of {key} got different samples"
+        step_ids = [i for key in sorted(replicas) for i in replicas[key][0]]
+        assert step_ids == order.indices(s * g, (s + 1) * g), f"step {s}: trained {step_ids}"
+        quorum_sizes.append(max(r["participants"] for r in last.values()))
+        trained += step_ids
+    assert trained == order.indices(0, len(steps) * g)
+    assert len(steps) * g <= job.samples and len(set(trained)) == len(trained)  # one pass: each sample once
+    done = [r for r in recs if r["event"] == "done"]
+    assert done, "no group finished"
+    expected = reference_weights(job, len(steps))
+    for r in done:
+        assert r["step"] == len(steps) and r["cursor"] == len(steps) * g
+        assert torch.allclose(torch.tensor(r["weights"]), torch.tensor(expected), atol=1e-5), (r["weights"], expected)
+    attempts = len({(r["step"], r["qid"]) for r in serves})
+    first: dict[int, dict] = {}
+    for r in sorted(serves, key=lambda r: r["t"]):
+        first.setdefault(r["pid"], r)
+    joined = sorted(
+        {(r["group"], r["step"]) for r in first.values() if r["step"] > 0}
+    )  # groups that joined a running job: healed to that step, cursor from a live peer
+    sizes: dict[int, int] = defaultdict(int)
+    for n in quorum_sizes:
+        sizes[n] += 1
+    return {
+        "steps": len(steps),
+        "samples_committed": len(trained),
+        "lost": 0,
+        "repeated": 0,
+        "attempts": attempts,
+        "quorum_sizes": quorum_sizes,
+        "steps_by_participants": dict(sizes),
+        "joined_at_step": joined,
+        "step_seconds_median": sorted(c["seconds"] for c in commits)[len(commits) // 2],
+    }
