@@ -15,8 +15,10 @@ two-node job are in ``test_remote_nodes.py``.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import select
 import tempfile
 import threading
 import time
@@ -94,6 +96,31 @@ def epochs(env, remote, cache, dims, shape, n_epochs, **dataset_kwargs):
     return {"place": loader.place, "epochs": batches, "started": started}
 
 
+IN_CLOSE_WRITE, IN_MOVED_TO = 0x8, 0x80  # <sys/inotify.h>
+
+
+def wait_for_files(directory: str, pattern: str, count: int, timeout: float) -> int:
+    """Until ``directory`` holds ``count`` files matching ``pattern``, at most ``timeout`` seconds
+    (a bound for a hang); returns how many it holds. Woken by inotify at each file written or
+    moved into it (streaming says nothing when it has fetched a shard)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "inotify_init1")
+    try:
+        if libc.inotify_add_watch(fd, os.fsencode(directory), IN_CLOSE_WRITE | IN_MOVED_TO) < 0:
+            raise OSError(ctypes.get_errno(), f"inotify_add_watch {directory}")
+        deadline = time.monotonic() + timeout
+        # counted after the watch is in place: a file that came before it is counted, one after wakes us
+        while (n := len(list(Path(directory).glob(pattern)))) < count:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                break
+            os.read(fd, 1 << 16)
+        return n
+    finally:
+        os.close(fd)
+
+
 def first_batch_then_wait(env, remote, cache, dims, shape, wait, shards=None, **dataset_kwargs):
     """Take one batch, then let the leader fetch ahead: for ``wait`` seconds (the window in which
     a loader that fetched too far would show it), or, given ``shards``, until its cache holds that
@@ -101,12 +128,10 @@ def first_batch_then_wait(env, remote, cache, dims, shape, wait, shards=None, **
     loader = _loader(env, remote, cache, dims, shape, shuffle=False, **dataset_kwargs)
     it = iter(loader)
     next(it)
-    deadline = time.monotonic() + wait
     if shards is None:
         time.sleep(wait)  # the behaviour under test: nothing past the bound is fetched meanwhile
-    else:  # no event tells when streaming has fetched a shard: its cache is looked at
-        while len(list(Path(cache).rglob("*.mds"))) < shards and time.monotonic() < deadline:
-            time.sleep(0.05)
+    else:
+        wait_for_files(cache, "*.mds", shards, timeout=wait)
     ended = time.time()
     loader.close()
     return ended
