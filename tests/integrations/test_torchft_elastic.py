@@ -106,5 +106,5 @@ def test_kill_and_restart_at_every_phase(tmp_path, mode, dim, phase):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_leave_and_join_three_groups(tmp_path, mode):
+def test_leave_and_join_tp(tmp_path, mode):
     run(tmp_path, mode, "tp", leave_and_join, seed=4)
