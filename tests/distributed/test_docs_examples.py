@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import test_demo
+from processes import kill_tree
 
 from collective_loader.cli.args import parse_mesh
 from collective_loader.plan.mesh import MeshLayout
@@ -201,11 +202,11 @@ def run(argv: list[str] | tuple[str, ...], cwd: Path, timeout: float) -> tuple[i
     try:
         out = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it on to its ranks
         try:
             out = proc.communicate(timeout=TERM_GRACE)[0]
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)  # the ranks too: each is in a session of its own
             out = proc.communicate()[0]
         pytest.fail(f"{' '.join(argv)} did not end within {timeout:.0f}s; its output:\n{out[-6000:]}")
     return proc.returncode, out

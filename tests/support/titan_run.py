@@ -6,11 +6,12 @@ from __future__ import annotations
 import glob
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from typing import Any
+
+from processes import kill_tree
 
 SUPPORT = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(SUPPORT))
@@ -107,7 +108,7 @@ def _torchrun(
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
+            kill_tree(proc.pid)  # torchrun and every rank it started (each in a session of its own)
             proc.wait()
     with open(f"{out}.log") as log:
         text = log.read()
