@@ -2,9 +2,10 @@
 
 Two sources of numbered token documents whose lengths differ tenfold: ``short`` (10-60 tokens)
 and ``long`` (200-800); ``extra`` joins in an edited schedule; ``tiny`` (12 short documents) runs
-out within a few steps, ``rep`` (24 of 28 tokens) every few steps at dp 4 and 8. Every token says which source and document it came from, so the checks
-count tokens, not samples. One world of 4 ranks, meshes dp x tp with dp = 1, 2, 4 at the same
-global batch (8 rows of 32 tokens per step):
+out within a few steps, ``rep`` (24 of 28 tokens) every few steps at dp 4 and 8. Every token says
+which source and document it came from, so the checks count tokens, not samples. One world of 4
+ranks, meshes dp x copies (a dim given its role by ``roles=``) with dp = 1, 2, 4 at the same global
+batch (8 rows of 32 tokens per step):
 
 * the shares of real tokens follow each schedule (constant, two phases, a ramp) over every window
   of 8 steps, within the allocator's bound, at dp 1, 2 and 4; ``source_id`` names each row's source;
@@ -49,7 +50,9 @@ LENGTHS = {
     # 3 per leader at dp 8, 6 at dp 4 (84 and 168 tokens): every part ends in a row of 17 or 2 real tokens
     "rep": [28] * 24,
 }
-KEYS = dict(inputs=("input_ids", "position_ids", "sequence_id"), labels=("labels", "source_id"))
+# the replicas' peers get copies: a dim its name does not tell, so roles= must reach every source
+ROLES = {"copies": "replicate"}
+KEYS = dict(inputs=("input_ids", "position_ids", "sequence_id"), labels=("labels", "source_id"), roles=ROLES)
 STEP_TOKENS = GLOBAL_ROWS * SEQ_LEN  # progress per step, in tokens over every replica
 UINT16 = TokenColumn(dtype="uint16")
 
@@ -88,9 +91,9 @@ def mixture(
     layout: TokenColumn = UINT16,
     **policies: str,
 ):
-    """A MixtureSource of ``names`` over dp replicas of the world's ranks (tp peers fill the rest),
+    """A MixtureSource of ``names`` over dp replicas of the world's ranks (copies fill the rest),
     at the same global batch whatever dp: rows and documents per replica scale with 1 / dp."""
-    mesh = ranks.make_mesh(("dp", "tp"), (dp, dist.get_world_size() // dp))
+    mesh = ranks.make_mesh(("dp", "copies"), (dp, dist.get_world_size() // dp))
     sources = {
         name: {"local": data[name], "shuffle": True, "shuffle_seed": 7, "num_canonical_nodes": 4}
         | ({"when_exhausted": policies[name]} if name in policies else {})
@@ -106,6 +109,7 @@ def mixture(
         layout=layout,
         documents_per_batch=GLOBAL_DOCS // dp,
         allow_edit=allow_edit,
+        roles=ROLES,
     )
 
 
