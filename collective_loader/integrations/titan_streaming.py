@@ -42,30 +42,18 @@ __all__ = ["TitanStreamingDataLoader"]
 log = logging.getLogger(__name__)
 
 
-def _check_dataset(dataset: Any, layout: ColumnLayout) -> None:
-    """Refuse a leader's ``StreamingDataset`` whose columns ``layout`` cannot read (:func:`check_columns`)."""
-    shards = dataset.shards
-    if shards:
-        check_columns(layout, dict(zip(shards[0].column_names, shards[0].column_encodings)))
-
-
-def _checked(source: StreamingSource) -> SampleStream | PackedStream:
-    """``source()`` (a leader's stream), its dataset's columns checked against the source's layout.
-    With :func:`_checked_mixture`, the only place that reads the datasets."""
+def _checked(
+    source: StreamingSource | MixtureSource, layout: ColumnLayout
+) -> SampleStream | PackedStream | MixtureStream:
+    """``source()`` (a leader's stream), each dataset's columns checked against ``layout``
+    (:func:`check_columns`; an error names a mixture's source)."""
     stream = source()
-    _check_dataset(stream.dataset, source.layout)
-    return stream
-
-
-def _checked_mixture(source: MixtureSource, layout: ColumnLayout) -> MixtureStream:
-    """``source()`` (a leader's mixture), every source's dataset checked against ``layout``; an
-    error names the source."""
-    stream = source()
-    for name, each in stream.sources.items():
-        try:
-            _check_dataset(each.stream.dataset, layout)
-        except ValueError as e:
-            raise ValueError(f"mixture source {name!r}: {e}") from None
+    for name, columns in stream.columns().items():
+        if columns:
+            try:
+                check_columns(layout, columns)
+            except ValueError as e:
+                raise ValueError(f"mixture source {name!r}: {e}" if name else str(e)) from None
     return stream
 
 
@@ -217,10 +205,11 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
                 source_key=None,  # TorchTitan's train step has no place for it
                 allow_edit=config.mixture_allow_edit,
             )
-            build: Any = functools.partial(_checked_mixture, mixture, layout)
+            self.source: StreamingSource | MixtureSource = mixture
             inputs: tuple[str, ...] = tuple(PACKED_KEYS)
         else:
-            build, inputs = _one_dataset(config, mesh, layout, packing, seq_len, local_batch_size)
+            self.source, inputs = _one_dataset(config, mesh, layout, packing, seq_len, local_batch_size)
+        build = functools.partial(_checked, self.source, layout)
         super().__init__(build, mesh, inputs=inputs, timeout=config.timeout, stage_style=config._stage_style)
         if (self.dp_rank, self.dp_world_size) != (dp_rank, dp_world_size):
             raise ValueError(
@@ -243,17 +232,16 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
         if state is not None:
             source = state["source"]
             if source is not None:
-                if ("mixture" in source) != self.mixture:
-                    saved, now = ("one dataset", "a mixture") if self.mixture else ("a mixture", "one dataset")
+                saved = self.source.saved_global_batches(source)
+                if saved is None:
+                    was, now = ("one dataset", "a mixture") if self.mixture else ("a mixture", "one dataset")
                     raise ValueError(
-                        f"the dataloader state was saved reading {saved} and this run reads {now} "
+                        f"the dataloader state was saved reading {was} and this run reads {now} "
                         "(--dataloader.mixture): resume with the data it was saved with, or start the dataloader afresh "
                         "(--checkpoint.exclude_from_loading dataloader)"
                     )
-                # a mixture's sources each keep streaming's state (None: not read yet)
-                for each in source["sources"].values() if self.mixture else [source]:
-                    if each is not None:
-                        self.global_batch.check(each["global_batch"], state["dp_size"])
+                for each in saved:
+                    self.global_batch.check(each, state["dp_size"])
             self.loader.load_state_dict(state)
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
@@ -274,8 +262,8 @@ def _one_dataset(
     packing: Packing | None,
     seq_len: int,
     local_batch_size: int,
-) -> tuple[Any, tuple[str, ...]]:
-    """The leader's source of the dataset at ``dataset_path``, and the keys it delivers as inputs."""
+) -> tuple[StreamingSource, tuple[str, ...]]:
+    """The source of the dataset at ``dataset_path``, and the keys it delivers as inputs."""
     if packing is None:
         assert isinstance(layout, TokenColumn)
         rows: dict[str, Any] = {
@@ -298,7 +286,7 @@ def _one_dataset(
         **rows,
     )
     inputs = tuple(PACKED_KEYS) if packing else tuple(PACKED_KEYS.values())
-    return functools.partial(_checked, source), inputs
+    return source, inputs
 
 
 # one row at a time: TorchTitan's pipeline loads one micro-batch per loader step, and the rows

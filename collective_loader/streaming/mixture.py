@@ -83,6 +83,14 @@ class MixtureSource:
         agree = any(policy != "end" for policy in self.when_exhausted.values())
         self._agreement = LeaderGroup.build(self.leaders, shared.timeout, "mixture") if agree else None
 
+    def saved_global_batches(self, state: Mapping[str, Any]) -> list[int] | None:
+        """The global batches (samples of all leaders per step) each source of a saved state counts
+        in (a source not read yet: none); ``None`` for a state a ``MixtureSource`` did not save.
+        Every rank can ask, before a resume: the format stays this class's."""
+        if "mixture" not in state:
+            return None
+        return [source["global_batch"] for source in state["sources"].values() if source is not None]
+
     def __call__(self) -> MixtureStream:
         """Build every source's dataset and DataLoader (leaders only; ``CollectiveLoader`` calls this)."""
         streams: dict[str, PackedStream] = {}
@@ -305,6 +313,10 @@ class MixtureStream:
                 for k, v in {**source.counts, **share, "weight": weights.get(name, 0.0)}.items()
             }
         return out
+
+    def columns(self) -> dict[str, dict[str, str]]:
+        """Each source's dataset's columns (name -> encoding), by source name."""
+        return {name: source.stream.columns()[""] for name, source in self.sources.items()}
 
     def close(self) -> None:
         for source in self.sources.values():

@@ -147,6 +147,12 @@ class StreamingSource:
         self._dataloader_kwargs = dict(dataloader_kwargs or {})
         self._dataset_kwargs = dataset_kwargs
 
+    def saved_global_batches(self, state: Mapping[str, Any]) -> list[int] | None:
+        """The global batch (samples of all leaders per step) a saved state counts in, as a list
+        of one; ``None`` for a state a ``StreamingSource`` did not save (a mixture's). Every rank
+        can ask, before a resume: the format stays this class's."""
+        return [state["global_batch"]] if "global_batch" in state else None
+
     def over(self, **dataset_kwargs: Any) -> StreamingSource:
         """This source over another dataset: ``dataset_kwargs`` over the ``StreamingDataset``
         arguments it was given, everything else its own, its leaders' group too (a mixture's

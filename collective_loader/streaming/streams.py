@@ -53,6 +53,11 @@ class LeaderDataset:
         self._epoch_state: dict[str, Any] | None = None
         self._batches: Any = None  # the DataLoader iterator of the current (or last) epoch
 
+    def columns(self) -> dict[str, str]:
+        """The dataset's columns, name -> encoding, as its first shard declares them."""
+        shards = self.dataset.shards
+        return dict(zip(shards[0].column_names, shards[0].column_encodings)) if shards else {}
+
     def batches(self) -> Iterator[Any]:
         """Start an epoch: the DataLoader's iterator."""
         assert self.loader is not None, "the stream was used after close()"
@@ -159,6 +164,10 @@ class SampleStream:
     def stats(self) -> dict[str, float]:
         return {}
 
+    def columns(self) -> dict[str, dict[str, str]]:
+        """Its dataset's columns (name -> encoding), under the name ``""`` (one dataset)."""
+        return {"": self.data.columns()}
+
     def close(self) -> None:
         self.data.close()
 
@@ -250,6 +259,10 @@ class PackedStream:
 
     def stats(self) -> dict[str, float]:
         return dict(self.rows.stats)
+
+    def columns(self) -> dict[str, dict[str, str]]:
+        """Its dataset's columns (name -> encoding), under the name ``""`` (one dataset)."""
+        return {"": self.data.columns()}
 
     def close(self) -> None:
         self.data.close()

@@ -34,6 +34,7 @@ from collective_loader.integrations.titan_streaming import (
     read_as,
 )
 from collective_loader.integrations.titan_wrap import with_mesh
+from collective_loader.streaming import MixtureSource, StreamingSource
 from collective_loader.text import MixtureSchedule, Packing, Phase, TokenColumn
 from collective_loader.text.mixture import Allocation
 
@@ -116,6 +117,8 @@ def resumed(mixture: bool, source: dict[str, Any], per_replica: int = 4) -> Load
     state saved at dp=2 with ``source``, as TorchTitan's checkpointer hands it over."""
     dataloader = TitanStreamingDataLoader.__new__(TitanStreamingDataLoader)  # no mesh: only load_state_dict runs
     dataloader.loader, dataloader.mixture, dataloader._rank_id = Loads(), mixture, "dp_rank_0"
+    kind = MixtureSource if mixture else StreamingSource  # only their saved_global_batches() runs
+    dataloader.source = kind.__new__(kind)
     dataloader.global_batch = GlobalBatch(per_replica, 1, "--dataloader.documents_per_batch")
     buffer = io.BytesIO()
     torch.save({"source_elastic": True, "dp_size": 2, "source": source}, buffer)
