@@ -60,7 +60,7 @@ def rank_main(out: str) -> int:
     import torch.distributed as dist
 
     from collective_loader.delivery.agreement import agree_outcome
-    from collective_loader.delivery.leaders import LeaderGroup
+    from collective_loader.delivery.leader_group import LeaderGroup
     from collective_loader.plan.wire import Kind
     from collective_loader.streaming.source import balance_group
     from collective_loader.text.balance import Balance

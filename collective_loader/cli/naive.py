@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from collective_loader.cli.args import SHUFFLE_SEED, DemoArgs
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.streaming.cleanup import release
-from collective_loader.streaming.leaders import leaders_world
+from collective_loader.streaming.leaders_world import leaders_world
 from collective_loader.text.collate import lm_collate
 
 

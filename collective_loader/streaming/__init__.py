@@ -8,7 +8,7 @@
 * :mod:`~collective_loader.streaming.mixture`: :class:`MixtureSource`, several packing sources
   mixed on a schedule (its leaders' :class:`MixtureStream`), and
   :mod:`~collective_loader.streaming.mixture_file`: :func:`read_mixture`, a mixture's file;
-* :mod:`~collective_loader.streaming.leaders`: the environment and barriers streaming sees there;
+* :mod:`~collective_loader.streaming.leaders_world`: the environment and barriers streaming sees there;
 * :mod:`~collective_loader.streaming.dataset`: a ``StreamingDataset`` that raises a failed
   download instead of ending the epoch early;
 * :mod:`~collective_loader.streaming.cleanup`: shared memory and lock files, released and removed.

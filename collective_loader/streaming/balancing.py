@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from collective_loader.delivery.leaders import LeaderGroup
+from collective_loader.delivery.leader_group import LeaderGroup
 from collective_loader.text.balance import Piece, place_in_blocks, replica_costs
 from collective_loader.text.packing import Packing, Row, batch_of
 

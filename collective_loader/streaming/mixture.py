@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from collective_loader.delivery.leaders import LeaderGroup
+from collective_loader.delivery.leader_group import LeaderGroup
 from collective_loader.streaming.mixture_file import when_exhausted_of
 from collective_loader.streaming.source import StreamingSource
 from collective_loader.streaming.streams import PackedStream

@@ -4,7 +4,7 @@ Streaming assumes every rank builds and iterates the dataset and that ranks whic
 same samples are adjacent. Under pipeline parallelism neither holds. :class:`StreamingSource`
 builds the dataset and its ``DataLoader`` on the leaders alone, showing streaming a world of
 exactly the leaders (rank = dp_rank, world = dp_size, local world = leaders on this node: see
-:mod:`collective_loader.streaming.leaders`), and :class:`~collective_loader.CollectiveLoader`
+:mod:`collective_loader.streaming.leaders_world`), and :class:`~collective_loader.CollectiveLoader`
 delivers its batches to everyone else::
 
     source = StreamingSource(mesh, local="/data/mds", batch_size=8, shuffle=True, num_workers=2)
@@ -41,11 +41,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
-from collective_loader.delivery.leaders import LeaderGroup
+from collective_loader.delivery.leader_group import LeaderGroup
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement, StageStyle
 from collective_loader.streaming.balancing import BalancedRows
 from collective_loader.streaming.cleanup import remove_stale
-from collective_loader.streaming.leaders import leader_env, leaders_barrier, leaders_world
+from collective_loader.streaming.leaders_world import leader_env, leaders_barrier, leaders_world
 from collective_loader.streaming.streams import BalancedStream, LeaderDataset, PackedStream, SampleStream
 from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import ColumnLayout, DocumentCollate, TextColumn, TokenColumn

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from collective_loader.delivery.leaders import LeaderGroup
+from collective_loader.delivery.leader_group import LeaderGroup
 from collective_loader.delivery.workers import stop_dataloader_workers, stop_workers
 from collective_loader.streaming.balancing import BalancedRows
 from collective_loader.streaming.cleanup import release

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from text_rows import all_tokens, row_tokens
 
 from collective_loader import CollectiveLoader, LeaderError, mesh_place
-from collective_loader.delivery.leaders import LeaderGroup
+from collective_loader.delivery.leader_group import LeaderGroup
 from collective_loader.streaming import StreamingSource
 from collective_loader.streaming.balancing import BalancedRows
 from collective_loader.testing.data import numbered_documents, write_token_documents

@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from collective_loader.plan.mesh import MeshLayout
-from collective_loader.streaming.leaders import leader_env, leaders_world
+from collective_loader.streaming.leaders_world import leader_env, leaders_world
 
 
 def _envs(dims, shape, local_world_size, placement="spread"):
