@@ -31,7 +31,8 @@ from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
 from collective_loader.plan.wire import Kind
-from collective_loader.streaming import PackedStream, StreamingSource
+from collective_loader.streaming import StreamingSource
+from collective_loader.streaming.streams import PackedStream
 from collective_loader.testing import invariants
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, write_dataset
 from collective_loader.testing.s3_endpoint import APP_ID_VARIABLE

@@ -32,7 +32,8 @@ from collective_loader.integrations.titan_batches import (
 )
 from collective_loader.integrations.titan_wrap import NeedsMesh
 from collective_loader.plan.mesh import StageStyle
-from collective_loader.streaming import MixtureSource, MixtureStream, StreamingSource, read_mixture
+from collective_loader.streaming import MixtureSource, StreamingSource, read_mixture
+from collective_loader.streaming.mixture import MixtureStream
 from collective_loader.streaming.streams import PackedStream, SampleStream
 from collective_loader.text import Balance, MixtureSchedule, Packing, TextColumn, TokenColumn
 from collective_loader.text.layouts import INTEGER_TYPES, ColumnLayout

@@ -14,17 +14,8 @@
 * :mod:`~collective_loader.streaming.cleanup`: shared memory and lock files, released and removed.
 """
 
-from collective_loader.streaming.mixture import MixtureSource, MixtureStream
+from collective_loader.streaming.mixture import MixtureSource
 from collective_loader.streaming.mixture_file import read_mixture
 from collective_loader.streaming.source import StreamingSource
-from collective_loader.streaming.streams import BalancedStream, PackedStream, SampleStream
 
-__all__ = [
-    "BalancedStream",
-    "MixtureSource",
-    "MixtureStream",
-    "PackedStream",
-    "SampleStream",
-    "StreamingSource",
-    "read_mixture",
-]
+__all__ = ["MixtureSource", "StreamingSource", "read_mixture"]

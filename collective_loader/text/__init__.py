@@ -18,18 +18,15 @@ from collective_loader.text.balance import Balance
 from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import TextColumn, TokenColumn
 from collective_loader.text.mixture import MixtureSchedule, Phase
-from collective_loader.text.packing import BOUNDARIES, IGNORE_INDEX, Packing
-from collective_loader.text.tokenizer import TextEncoder, load_tokenizer
+from collective_loader.text.packing import Packing
+from collective_loader.text.tokenizer import load_tokenizer
 
 __all__ = [
-    "BOUNDARIES",
     "Balance",
-    "IGNORE_INDEX",
     "MixtureSchedule",
     "Packing",
     "Phase",
     "TextColumn",
-    "TextEncoder",
     "TokenColumn",
     "lm_collate",
     "load_tokenizer",

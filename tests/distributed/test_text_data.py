@@ -33,7 +33,8 @@ from collective_loader.testing.data import (
     write_text_documents,
     write_token_documents,
 )
-from collective_loader.text import BOUNDARIES, Packing, TextColumn, TokenColumn
+from collective_loader.text import Packing, TextColumn, TokenColumn
+from collective_loader.text.packing import BOUNDARIES
 
 STRIDE = 128  # documents shorter than this, ids below 65536: uint16 as LLM Foundry writes them
 DOCS = 192

@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from collective_loader import Source
 from collective_loader.delivery.source_protocol import IterableSource, as_source, build_source
-from collective_loader.streaming import BalancedStream, PackedStream, SampleStream
+from collective_loader.streaming.streams import BalancedStream, PackedStream, SampleStream
 
 
 def test_a_plain_iterable_resumes_by_skipping_with_a_warning():
