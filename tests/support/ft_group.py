@@ -2,21 +2,27 @@
 under torchft's ``Manager`` on ``QuorumData``, every step logged for
 ``tests/integrations/test_torchft_elastic.py``.
 
-Environment: ``TORCHFT_LIGHTHOUSE``; ``FT_GROUP`` (the group's name), ``FT_MODE`` (``sync`` or
+Environment: ``TORCHFT_LIGHTHOUSE``; ``FT_STORE`` (``host:port`` of the ``TCPStore`` the test
+hosts, through which this rank and the test wait for each other); ``FT_GROUP`` (the group's name), ``FT_MODE`` (``sync`` or
 ``async`` quorum), ``FT_DIM`` (the group's mesh: ``tp`` or ``dp_shard``, 2 ranks), ``FT_DIR`` (logs,
 and the ``finish`` file: the step to stop at), ``FT_STOP_AT`` (``k:phase``: stop in the k-th step
-this group takes part in (from 0), write ``stopped_<group>_<rank>`` and wait to be killed;
+this group takes part in (from 0), set the key ``stopped_<group>_<rank>`` and wait to be killed;
 phases ``before``, ``during`` and ``after`` the gradient all-reduce), ``FT_G``, ``FT_M`` (global and micro batch), ``FT_N`` (samples),
-``FT_HOLD`` (1: a standby, started ahead: wait for the file ``go_<group>`` before joining
+``FT_HOLD`` (1: a standby, started ahead: wait for the key ``go_<group>`` before joining
 the job, so that a restart or a new group costs the test no process start), ``FT_START_WITH`` (groups to wait for before the first step: those the test starts
 together), ``FT_MAX_STEPS``, ``FT_SLEEP`` (seconds per step: the pace, so that a restarted group meets a job
 still running).
+
+Keys rank 0 sets after each committed step: ``commits_<group>_<n>`` (the group's n-th committed
+step, from 1, restarts included; the counter ``commits_<group>``) and ``trained_<group>_<n>``
+(the n-th of those the group took part in).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +38,7 @@ from collective_loader.integrations.torchft import QuorumData
 
 D = 4  # features
 TRUE_W = torch.arange(1.0, D + 1)
+WAIT = timedelta(seconds=600)  # the longest a rank waits on the store: past the tests' own timeouts
 
 
 def features(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,10 +72,11 @@ def main() -> None:
     global_batch, micro_batch, n = int(env["FT_G"]), int(env["FT_M"]), int(env["FT_N"])
     max_steps = int(env.get("FT_MAX_STEPS", "3000"))
     pace = float(env.get("FT_SLEEP", "0.05"))
+    host, port = env["FT_STORE"].rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=WAIT)
 
     if env.get("FT_HOLD") == "1":
-        while not (out / f"go_{group}").exists():
-            time.sleep(0.05)
+        store.wait([f"go_{group}"], WAIT)  # the test kills a standby it never releases
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(dim,))
@@ -114,25 +122,27 @@ def main() -> None:
         timeout=60,
     )
     log({"event": "start", "mode": mode, "dim": dim})
-    (out / f"ready_{group}_{rank}").write_text("")
-    while len(list(out.glob("ready_*"))) < 2 * int(env.get("FT_START_WITH", "0")):
-        time.sleep(0.05)
+    start_with = 2 * int(env.get("FT_START_WITH", "0"))  # ranks started together
+    if start_with:
+        if store.add("ready", 1) == start_with:  # the last of them
+            store.set("all_ready", "")
+        store.wait(["all_ready"], WAIT)
 
     took_part = -1  # steps this process took part in, less one
 
     def stop(phase: str, step: int) -> None:
         if took_part == stop_step and phase == stop_phase:
             log({"event": "stopped", "step": step, "phase": phase})
-            (out / f"stopped_{group}_{rank}").write_text(phase)
+            store.set(f"stopped_{group}_{rank}", phase)
             while True:  # the test kills this group's processes
-                time.sleep(1)
+                signal.pause()
 
     def target() -> int:
         finish = out / "finish"
         return min(max_steps, int(finish.read_text())) if finish.exists() else max_steps
 
     while manager.current_step() < target():
-        time.sleep(pace)
+        time.sleep(pace)  # the pace of the steps (kills land mid-run), not a wait for another process
         started = time.perf_counter()
         cursor_before = data.cursor
         manager.start_quorum()
@@ -181,6 +191,10 @@ def main() -> None:
             optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         data.end_step(committed)
+        if committed and rank == 0:
+            count(store, f"commits_{group}")
+            if share.participant is not None:
+                count(store, f"trained_{group}")
         log(
             {
                 "event": "commit",
@@ -198,6 +212,12 @@ def main() -> None:
     log_file.close()
     manager.shutdown(wait=False)
     os._exit(0)  # torchft's server threads would keep the process alive
+
+
+def count(store: dist.TCPStore, counter: str) -> None:
+    """One more on ``counter``; sets the key ``<counter>_<n>`` for the n-th, which the test waits for."""
+    n = store.add(counter, 1)
+    store.set(f"{counter}_{n}", "")
 
 
 def _weights(model: nn.Module) -> list[float]:

@@ -2,7 +2,13 @@
 ``ft_group.py`` that the test starts, kills (SIGKILL, whole process trees) and restarts, and the
 check of what every rank logged: over the committed steps of the surviving lineage, every sample
 once, in the global order, the global batch constant, tp peers identical, labels of their inputs,
-and the final weights those of one plain run over the same global batches."""
+and the final weights those of one plain run over the same global batches.
+
+The test and the ranks wait for each other on a ``TCPStore`` the test hosts (keys the ranks set:
+``stopped_<group>_<rank>``, ``commits_<group>_<n>``, ``trained_<group>_<n>``; keys the test
+sets: ``go_<group>``), blocking, never polling. A thread per group waits for its exit and, when
+a group the test has not killed exits, wakes the test's current wait, which then fails with
+every group's exit status and output."""
 
 from __future__ import annotations
 
@@ -10,12 +16,14 @@ import json
 import os
 import subprocess
 import sys
-import time
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from processes import gone, kill_tree
 
 from collective_loader.plan.quorum import GlobalOrder
@@ -46,6 +54,13 @@ class FtJob:
         port = self.lighthouse.address().rsplit(":", 1)[1]
         self.address = f"http://127.0.0.1:{port}"
         self.root.mkdir(parents=True, exist_ok=True)
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        # the exit watchers' own connection: a client does one operation at a time, and the
+        # test's may be a wait
+        self._waker = dist.TCPStore("127.0.0.1", self.store.port, is_master=False)
+        self._lock = threading.Lock()  # self.groups, self._waiting
+        self._waiting: list[str] = []  # the keys the test waits for, set by a watcher to wake it
+        self._watchers: list[threading.Thread] = []
 
     def start(self, group: str, stop_at: str = "", start_with: int = 0, standby: bool = False) -> None:
         """Start group ``group`` (a 2-rank torchrun job); ``stop_at="k:phase"`` makes it stop in
@@ -56,6 +71,7 @@ class FtJob:
         env = dict(
             os.environ,
             TORCHFT_LIGHTHOUSE=self.address,
+            FT_STORE=f"127.0.0.1:{self.store.port}",
             FT_GROUP=group,
             FT_MODE=self.mode,
             FT_DIM=self.dim,
@@ -68,23 +84,37 @@ class FtJob:
             FT_N=str(self.samples),
             PYTHONPATH=os.pathsep.join([str(REPO), str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
         )
-        for stale in self.root.glob(f"stopped_{group}_*"):
-            stale.unlink()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         cmd += ["--max-restarts", "0", str(WORKER)]
         output = open(self.root / f"output_{group}.txt", "a")
         proc = subprocess.Popen(cmd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-        self.groups[f"{group} (standby)" if standby else group] = proc
+        with self._lock:
+            self.groups[f"{group} (standby)" if standby else group] = proc
         self.started.append(proc)
+        watcher = threading.Thread(target=self._watch, args=(proc,), daemon=True)
+        watcher.start()
+        self._watchers.append(watcher)
+
+    def _watch(self, proc: subprocess.Popen) -> None:
+        """Wait for ``proc`` to exit; then mark it (``exited_<pid>``) and, if it is still one of
+        :attr:`groups` (not killed by the test), wake the test's current wait."""
+        proc.wait()
+        with self._lock:
+            self._waker.set(f"exited_{proc.pid}", str(proc.returncode))
+            if any(p is proc for p in self.groups.values()):
+                for key in self._waiting:
+                    self._waker.set(key, "woken: a group exited")
 
     def release(self, group: str) -> None:
         """Let the standby of ``group`` join the job."""
-        self.groups[group] = self.groups.pop(f"{group} (standby)")
-        (self.root / f"go_{group}").write_text("")
+        with self._lock:
+            self.groups[group] = self.groups.pop(f"{group} (standby)")
+        self.store.set(f"go_{group}", "")
 
     def kill(self, group: str) -> None:
         """SIGKILL every process of ``group`` (torchrun's agent and its ranks, in their sessions)."""
-        proc = self.groups.pop(group)
+        with self._lock:
+            proc = self.groups.pop(group)
         kill_tree(proc.pid)
         proc.wait()
 
@@ -96,31 +126,46 @@ class FtJob:
                     out.append(json.loads(line))
         return out
 
-    def committed_steps(self, group: str | None = None, trained: bool = False) -> int:
-        """Steps committed so far (by ``group``'s restarted processes too; ``trained``: only steps
-        where it took part)."""
-        recs = self.records()
-        took_part = {(r["pid"], r["step"]) for r in recs if r["event"] == "serve" and r["participant"] is not None}
-        return sum(
-            r["event"] == "commit"
-            and r["committed"]
-            and (group is None or r["group"] == group)
-            and (not trained or (r["pid"], r["step"]) in took_part)
-            for r in recs
+    def committed_steps(self, group: str, trained: bool = False) -> int:
+        """Steps ``group`` has committed so far (its restarted processes too; ``trained``: only
+        steps it took part in)."""
+        return self.store.add(f"{'trained' if trained else 'commits'}_{group}", 0)
+
+    def committed(self, group: str, steps: int, trained: bool = False) -> list[str]:
+        """The key set once ``group`` has committed ``steps`` steps (see :meth:`committed_steps`)."""
+        return [f"{'trained' if trained else 'commits'}_{group}_{steps}"]
+
+    def stopped(self, group: str) -> list[str]:
+        """The keys set once both ranks of ``group`` have stopped at their ``stop_at``."""
+        return [f"stopped_{group}_0", f"stopped_{group}_1"]
+
+    def wait_for(self, keys: list[str], timeout: float, message: str) -> None:
+        """Block until the ranks have set ``keys``; fail, with every group's exit status and
+        output, if a group the test has not killed exits first or ``timeout`` passes."""
+        with self._lock:
+            self._fail_if_one_exited(message)
+            self._waiting = keys
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+        except dist.DistStoreError:
+            raise AssertionError(f"timed out waiting for {message}\n{self.report()}") from None
+        finally:
+            with self._lock:
+                self._waiting = []
+        with self._lock:
+            self._fail_if_one_exited(message)
+
+    def _fail_if_one_exited(self, message: str) -> None:
+        exited = [g for g, p in self.groups.items() if p.returncode is not None]  # set by _watch
+        if exited:
+            raise AssertionError(f"waiting for {message}, {', '.join(exited)} exited early\n{self.report()}")
+
+    def report(self) -> str:
+        """Each group's exit status and the end of its output."""
+        return "\n".join(
+            f"--- group {g}: {'running' if p.returncode is None else f'exited {p.returncode}'}\n{self.output(g)}"
+            for g, p in self.groups.items()
         )
-
-    def wait_for(self, what, timeout: float, message: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not what():
-            for group, proc in self.groups.items():
-                if proc.poll() is not None:
-                    raise AssertionError(f"group {group} exited early ({proc.returncode}): {self.output(group)}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {message}")
-            time.sleep(0.1)
-
-    def stopped(self, group: str) -> bool:
-        return len(list(self.root.glob(f"stopped_{group}_*"))) == 2
 
     def max_step(self) -> int:
         return max((r["step"] for r in self.records() if r["event"] == "commit" and r["committed"]), default=-1)
@@ -128,13 +173,13 @@ class FtJob:
     def finish(self, extra_steps: int, timeout: float) -> None:
         """Every group stops after ``extra_steps`` more steps; wait until all have exited 0."""
         (self.root / "finish").write_text(str(self.max_step() + 1 + extra_steps))
-        deadline = time.monotonic() + timeout
+        try:
+            self.store.wait([f"exited_{p.pid}" for p in self.groups.values()], timedelta(seconds=timeout))
+        except dist.DistStoreError:
+            raise AssertionError(f"the groups did not finish\n{self.report()}") from None
         for group, proc in self.groups.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"group {group} did not finish: {self.output(group)}") from None
-            assert proc.returncode == 0, f"group {group} failed: {self.output(group)}"
+            proc.wait()  # exited: _watch has reaped it
+            assert proc.returncode == 0, f"group {group} failed\n{self.report()}"
 
     def output(self, group: str) -> str:
         path = self.root / f"output_{group}.txt"
@@ -145,6 +190,8 @@ class FtJob:
             if not gone(proc.pid) or proc.poll() is None:
                 kill_tree(proc.pid)
             proc.wait()
+        for watcher in self._watchers:
+            watcher.join()
         self.lighthouse.shutdown()
 
 
