@@ -12,10 +12,10 @@ import torch.distributed as dist
 from collective_loader import (
     BatchError,
     CollectiveLoader,
-    ConfigMismatchError,
     LeaderError,
     mesh_place,
 )
+from collective_loader.errors import ConfigMismatchError
 
 MESH = (("pp", "dp", "cp"), (3, 2, 2))  # 12 ranks: middle stages, shard dim, two replicas
 SECOND_LEADER = 10  # replica 1's leader: the last stage (the default placement), coords (2, 1, 0)
