@@ -9,7 +9,7 @@ replica take no part in these collectives). In each world, every rank, with the 
 * **agreement**: ``agreement.agree_outcome`` over the leaders' group, the 24-byte all-reduce every
   leader runs each step;
 * **gather** (balancing, ``Packing(balance=Balance())``): ``LeaderGroup.gather`` of this leader's
-  piece lengths, ``ROWS`` rows of ``PIECES`` pieces each, as ``streaming/balancing.py`` gathers them;
+  piece lengths, ``ROWS`` rows of ``PIECES`` pieces each, as ``streaming/balanced_rows.py`` gathers them;
 * **exchange** (balancing): ``LeaderGroup.exchange`` of token ids (int64), ``ROWS`` rows of
   ``SEQ + 1`` tokens per leader, all of them moving, spread evenly over the leaders: the most a
   step's all-to-all can carry;

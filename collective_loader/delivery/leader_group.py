@@ -2,7 +2,7 @@
 
 A source that runs on the leaders alone (a ``StreamingSource``) needs a few collectives among
 them: the agreements of its construction, gathering their packing states into one checkpoint,
-balancing packed rows over the replicas (:mod:`collective_loader.streaming.balancing`), and
+balancing packed rows over the replicas (:mod:`collective_loader.streaming.balanced_rows`), and
 waiting for each other before shared files are released. They go through a
 :class:`LeaderGroup`, built by every rank (group creation is collective over the world).
 """

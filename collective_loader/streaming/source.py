@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader
 
 from collective_loader.delivery.leader_group import LeaderGroup
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement, StageStyle
-from collective_loader.streaming.balancing import BalancedRows
+from collective_loader.streaming.balanced_rows import BalancedRows
 from collective_loader.streaming.cleanup import remove_stale
 from collective_loader.streaming.leaders_world import leader_env, leaders_barrier, leaders_world
 from collective_loader.streaming.streams import BalancedStream, LeaderDataset, PackedStream, SampleStream

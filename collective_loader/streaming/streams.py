@@ -11,7 +11,7 @@ format each.
   the leaders' snapshots into one state every rank saves: streaming's state at the lowest cursor
   step, and the hand-over of the documents trained since (:mod:`collective_loader.text.resume`).
 * :class:`BalancedStream`: a :class:`PackedStream` whose rows the leaders place over the replicas
-  together each step (:class:`~collective_loader.streaming.balancing.BalancedRows`); the same state.
+  together each step (:class:`~collective_loader.streaming.balanced_rows.BalancedRows`); the same state.
 
 :class:`~collective_loader.streaming.source.StreamingSource` builds the right one on each leader.
 """
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from collective_loader.delivery.leader_group import LeaderGroup
 from collective_loader.delivery.workers import stop_dataloader_workers, stop_workers
-from collective_loader.streaming.balancing import BalancedRows
+from collective_loader.streaming.balanced_rows import BalancedRows
 from collective_loader.streaming.cleanup import release
 from collective_loader.text.packing import Row
 from collective_loader.text.resume import Cursor, combine

@@ -25,7 +25,7 @@ from text_rows import all_tokens, row_tokens
 from collective_loader import CollectiveLoader, LeaderError, mesh_place
 from collective_loader.delivery.leader_group import LeaderGroup
 from collective_loader.streaming import StreamingSource
-from collective_loader.streaming.balancing import BalancedRows
+from collective_loader.streaming.balanced_rows import BalancedRows
 from collective_loader.testing.data import numbered_documents, write_token_documents
 from collective_loader.text import Packing, TokenColumn
 from collective_loader.text.balance import Balance
