@@ -195,7 +195,7 @@ class Allocation:
         progress = _progress(progress)
         if progress < self.progress:
             raise ValueError(f"progress went back from {self.progress:g} to {progress:g}")
-        step, short = _Step(self, self.weights_at(progress)), short or {}
+        step, short = _Counters(self, self.weights_at(progress)), short or {}
         every: list[list[str]] = [[] for _ in range(self.dp_size)]
 
         def taken(names: list[str]) -> set[tuple[int, str, int]]:
@@ -266,7 +266,7 @@ class Allocation:
         return cls(schedule, dp_size, rows, owed, replicas, excluded, last), changes
 
 
-class _Step:
+class _Counters:
     """One step's working counters: a column is computed without changing them, then taken."""
 
     def __init__(self, allocation: Allocation, weights: dict[str, float]) -> None:
