@@ -9,7 +9,6 @@ waiting for each other before shared files are released. They go through a
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -40,7 +39,6 @@ class LeaderGroup:
 
     def __init__(self, group: dist.ProcessGroup | None, first_replica: int = 0) -> None:
         self.group, self.first_replica = group, first_replica
-        self.released = False
 
     @classmethod
     def build(cls, leaders: Sequence[int], timeout: float, name: str, first_replica: int = 0) -> LeaderGroup:
@@ -105,18 +103,6 @@ class LeaderGroup:
         out = torch.empty(sum(recv_counts), dtype=send.dtype)
         dist.all_to_all_single(out, send, list(recv_counts), list(send_counts), group=self.group)
         return out
-
-    def release(self) -> None:
-        """Give the group back (its source closed; idempotent), for the reason
-        :meth:`~collective_loader.delivery.transport.Groups.release` gives: a gloo group left to
-        interpreter exit can abort it. Using a released group raises ``AttributeError``."""
-        if self.released:
-            return
-        self.released = True
-        if self.group is not None:
-            with contextlib.suppress(ValueError):  # already destroyed (destroy_process_group() before close())
-                dist.destroy_process_group(self.group)
-        del self.group
 
     def wait_for_all(self, seconds: float) -> str | None:
         """Wait, at most ``seconds``, until every leader calls this too; ``None`` when they did,
