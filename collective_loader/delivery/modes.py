@@ -103,6 +103,10 @@ class Mode(ABC):
     def __init__(self, settings: Settings, channel: Channel, stream: Any) -> None:
         self.settings, self.channel, self.stream = settings, channel, stream
         self.place = settings.place
+        # the keys this channel's stage gets: the leader's first-stage channel carries both ends'
+        # keys when one pp rank holds the first and the last stage (decided once, not per step)
+        stage = Stage(channel.name)
+        self.stage = Stage.BOTH if stage == Stage.FIRST and self.place.first_is_last else stage
 
     # --- the shape: one message or one per member
 
@@ -148,10 +152,7 @@ class Mode(ABC):
 
     def _stage(self, batch: Mapping[str, Any]) -> Batch:
         """The keys of ``batch`` this channel's stage gets."""
-        stage = Stage(self.channel.name)
-        return self.settings.routing.select(
-            batch, Stage.BOTH if stage == Stage.FIRST and self.place.first_is_last else stage
-        )
+        return self.settings.routing.select(batch, self.stage)
 
 
 class _Broadcast(Mode):
