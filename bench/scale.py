@@ -225,7 +225,7 @@ FORMULAS = [
     "its stage's group (tp, or tp + 1 with a leader from the other end), leaders (dp, leaders only); a middle "
     "stage: control only | constant in N but the control group (N) and the leaders' (dp) |",
     "| construction time, memory | O(N) with a small constant: one pass over the ranks "
-    "(`MeshLayout._replica_groups`, once) plus the rank lists above; O(dp) `new_group` calls | the floor "
+    "(`MeshLayout.replica_groups()`, computed once) plus the rank lists above; O(dp) `new_group` calls | the floor "
     "`new_group` sets (each rank lists every group's ranks) |",
     "| collectives at construction | 4 all-reduces of 24 B over the control group (one per phase: config, "
     "config check, placement, source), 1 broadcast of a 32 B digest over the replica, 1 more over the leaders "
