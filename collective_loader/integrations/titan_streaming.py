@@ -32,8 +32,9 @@ from collective_loader.integrations.titan_batches import (
 )
 from collective_loader.integrations.titan_wrap import NeedsMesh
 from collective_loader.plan.mesh import StageStyle
-from collective_loader.streaming import MixtureSource, StreamingSource, read_mixture
+from collective_loader.streaming import MixtureSource, StreamingSource
 from collective_loader.streaming.mixture import MixtureStream
+from collective_loader.streaming.mixture_file import read_mixture
 from collective_loader.streaming.streams import PackedStream, SampleStream
 from collective_loader.text import Balance, MixtureSchedule, Packing, TextColumn, TokenColumn
 from collective_loader.text.layouts import INTEGER_TYPES, ColumnLayout
@@ -69,7 +70,7 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
     ``--hf_assets_path``, and packed. Packed rows carry per-document ``positions`` (0 at each
     document and each row), from which TorchTitan's block-causal attention builds its masks.
 
-    With ``mixture`` (a ``.json`` or ``.toml`` file, :func:`~collective_loader.streaming.read_mixture`) it
+    With ``mixture`` (a ``.json`` or ``.toml`` file, :func:`~collective_loader.streaming.mixture_file.read_mixture`) it
     reads several datasets instead, each packed into rows of its own, and draws each row of a
     batch from the source its schedule names (:class:`~collective_loader.streaming.MixtureSource`,
     ``docs/mixtures.md``), with the layout, packing and batch the flags give one dataset, and no
@@ -392,7 +393,7 @@ def read_as(
 
 
 def mixture_sources(config: TitanStreamingDataLoader.Config) -> tuple[dict[str, dict[str, Any]], MixtureSchedule]:
-    """The sources and the schedule of ``--dataloader.mixture`` (:func:`~collective_loader.streaming.read_mixture`;
+    """The sources and the schedule of ``--dataloader.mixture`` (:func:`~collective_loader.streaming.mixture_file.read_mixture`;
     ``ValueError`` naming the file), each source's ``StreamingDataset`` arguments over the flags
     every source shares: ``shuffle``, ``shuffle_seed`` and ``num_canonical_nodes``, unless its
     table sets them. ``dataset_path`` and ``remote`` are not read (a warning says so when set).

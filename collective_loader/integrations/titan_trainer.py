@@ -36,7 +36,7 @@ from collective_loader.integrations.titan import DATA_MESH, titan_stage_style
 from collective_loader.integrations.titan_streaming import TitanStreamingDataLoader
 from collective_loader.integrations.titan_wrap import NeedsMesh, with_mesh, wrap_dataloader
 
-__all__ = ["TitanTrainer", "load_mds_once_per_replica", "load_once_per_replica"]
+__all__ = ["load_mds_once_per_replica", "load_once_per_replica"]
 
 
 class CollectiveMesh:

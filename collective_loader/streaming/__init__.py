@@ -6,8 +6,8 @@
   :class:`~collective_loader.Source` of one of three kinds (:class:`SampleStream`,
   :class:`PackedStream`, :class:`BalancedStream`), each with its own resumable state;
 * :mod:`~collective_loader.streaming.mixture`: :class:`MixtureSource`, several packing sources
-  mixed on a schedule (its leaders' :class:`MixtureStream`), and
-  :mod:`~collective_loader.streaming.mixture_file`: :func:`read_mixture`, a mixture's file;
+  mixed on a schedule (its leaders' :class:`MixtureStream`; ``MixtureSource.from_file`` reads a
+  mixture's file with :mod:`~collective_loader.streaming.mixture_file`);
 * :mod:`~collective_loader.streaming.leaders_world`: the environment and barriers streaming sees there;
 * :mod:`~collective_loader.streaming.dataset`: a ``StreamingDataset`` that raises a failed
   download instead of ending the epoch early;
@@ -15,7 +15,6 @@
 """
 
 from collective_loader.streaming.mixture import MixtureSource
-from collective_loader.streaming.mixture_file import read_mixture
 from collective_loader.streaming.source import StreamingSource
 
-__all__ = ["MixtureSource", "StreamingSource", "read_mixture"]
+__all__ = ["MixtureSource", "StreamingSource"]

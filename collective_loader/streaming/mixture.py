@@ -15,13 +15,14 @@ import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.delivery.leader_group import LeaderGroup
-from collective_loader.streaming.mixture_file import when_exhausted_of
+from collective_loader.streaming.mixture_file import read_mixture, when_exhausted_of
 from collective_loader.streaming.source import StreamingSource
 from collective_loader.streaming.streams import PackedStream
 from collective_loader.text.mixture import Allocation, MixtureSchedule
@@ -82,6 +83,21 @@ class MixtureSource:
         # the per-step agreement runs on the transfer thread: a group of its own, apart from checkpoint_state's
         agree = any(policy != "end" for policy in self.when_exhausted.values())
         self._agreement = LeaderGroup.build(self.leaders, shared.timeout, "mixture") if agree else None
+
+    @classmethod
+    def from_file(
+        cls, mesh: DeviceMesh, path: str | Path, *, batch_size: int, packing: Packing, **options: Any
+    ) -> MixtureSource:
+        """The mixture of one ``.json`` or ``.toml`` file: its ``sources`` tables and its schedule
+        (``docs/mixtures.md``; an error names the file). ``options`` as for the constructor: they
+        apply to every source, whose own table overrides them.
+
+        Example (every rank)::
+
+            source = MixtureSource.from_file(mesh, "mix.toml", batch_size=4, packing=Packing(2048))
+        """
+        sources, schedule = read_mixture(path)
+        return cls(mesh, sources, schedule, batch_size=batch_size, packing=packing, **options)
 
     def saved_global_batches(self, state: Mapping[str, Any]) -> list[int] | None:
         """The global batches (samples of all leaders per step) each source of a saved state counts

@@ -202,7 +202,7 @@ def write_inputs(command: Command, cwd: Path) -> None:
         titan_text.write_jsonl(str(cwd / data / "train.jsonl"), [{"text": t} for t in texts])
     mixture = command.flag("--dataloader.mixture")
     if mixture is not None:
-        from collective_loader.streaming import read_mixture
+        from collective_loader.streaming.mixture_file import read_mixture
 
         assert "--dataloader.text" in command.flags, f"{command.where}: a mixture of text sources only"
         (cwd / mixture).write_text(mixture_file(command.where.split(":")[0], Path(mixture).name))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import time
 from collections import Counter
@@ -81,7 +82,7 @@ def wait_for_every_job(store: dist.TCPStore | None, round_: int, job: int, jobs:
 def build(kind: str, data: str, mesh, remote: str | None = None, clean_stale: bool = False):
     from collective_loader import CollectiveLoader
     from collective_loader.streaming import MixtureSource, StreamingSource
-    from collective_loader.text import MixtureSchedule, Packing, Phase, TokenColumn
+    from collective_loader.text import Packing, TokenColumn
 
     if kind == "plain":
         source = StreamingSource(
@@ -110,9 +111,23 @@ def build(kind: str, data: str, mesh, remote: str | None = None, clean_stale: bo
             timeout=TIMEOUT,
         )
         return CollectiveLoader(source, mesh, inputs=("input_ids", "position_ids"), labels=("labels",), timeout=TIMEOUT)
-    sources = {name: {"local": os.path.join(data, name), "shuffle": True, "shuffle_seed": 3} for name in ("a", "b")}
-    schedule = MixtureSchedule((Phase(0, {"a": 0.5, "b": 0.5}),))
-    mixture = MixtureSource(mesh, sources, schedule, batch_size=BATCH, layout=layout, packing=packing, timeout=TIMEOUT)
+    # the mixture from its file, as a user writes one (docs/mixtures.md); the sources' shared options given once
+    mixture_file = os.path.join(data, "mix.json")
+    if not os.path.exists(mixture_file):  # every rank writes the same bytes: no rank waits for another
+        sources = {name: {"local": os.path.join(data, name)} for name in ("a", "b")}
+        with open(f"{mixture_file}.{os.getpid()}", "w") as f:
+            json.dump({"weights": {"a": 0.5, "b": 0.5}, "sources": sources}, f)
+        os.replace(f"{mixture_file}.{os.getpid()}", mixture_file)
+    mixture = MixtureSource.from_file(
+        mesh,
+        mixture_file,
+        batch_size=BATCH,
+        layout=layout,
+        packing=packing,
+        timeout=TIMEOUT,
+        shuffle=True,
+        shuffle_seed=3,
+    )
     keys = dict(inputs=("input_ids", "position_ids"), labels=("labels", "source_id"))
     return CollectiveLoader(mixture, mesh, timeout=TIMEOUT, **keys)
 
