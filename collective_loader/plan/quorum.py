@@ -35,6 +35,8 @@ more micro-batches each. The cursor moves by ``global_batch`` only when the step
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -187,3 +189,72 @@ class GlobalOrder:
             out += self.permutation(epoch)[offset : offset + take].tolist()
             position += take
         return out
+
+
+class DocumentStarts:
+    """Where the documents of the global order start in its **token stream** (the documents'
+    tokens concatenated in order), learnt from an **anchor** on: the document at position
+    ``position`` starts at stream token ``token``.
+
+    Packed rows under a changing quorum (``QuorumData(..., packing=...)``) are the rows of
+    ``seq_len + 1`` tokens of that stream: row ``r`` is tokens ``[r * (seq_len + 1), (r + 1) *
+    (seq_len + 1))``, so the cursor counts rows, and moves by ``global_batch`` rows per committed
+    step whatever the documents' lengths. A leader needs to know which document holds a token:
+    :meth:`locate` reads lengths forward from the anchor (``length(position)``, only for
+    positions it does not know yet) and :meth:`forget_before` moves the anchor up once the
+    committed cursor has passed. The anchor is the only part of the row state that is not
+    arithmetic: a leader's is at most one window behind the cursor, and any anchor at or
+    before the cursor finds the same documents (an earlier one reads more lengths).
+
+    >>> lengths = [3, 0, 5, 2]  # documents 0..3 of the order: tokens 0-2, none, 3-7, 8-9
+    >>> starts = DocumentStarts()
+    >>> starts.locate(4, lengths.__getitem__), starts.locate(8, lengths.__getitem__)
+    ((2, 1), (3, 0))
+    >>> starts.forget_before(8), starts.locate(9, lengths.__getitem__)
+    ((3, 8), (3, 1))
+    """
+
+    def __init__(self, position: int = 0, token: int = 0) -> None:
+        self.reset(position, token)
+
+    def reset(self, position: int, token: int) -> None:
+        """Start again from the anchor ``(position, token)``, forgetting every length learnt."""
+        if position < 0 or token < 0 or (position == 0 and token != 0):
+            raise ValueError(f"no document of the order can start at ({position}, {token})")
+        self.position, self.token = position, token
+        self._ends: list[int] = []  # stream token after each known document, from the anchor on
+
+    @property
+    def known(self) -> int:
+        """The first position whose length is not known yet."""
+        return self.position + len(self._ends)
+
+    def learn(self, position: int, length: int) -> None:
+        """Record that the document at ``position`` holds ``length`` tokens: kept when it is the
+        next unknown one (a reader tells every document it reads; the others are known already
+        or cannot be placed yet)."""
+        if position == self.known:
+            self._ends.append((self._ends[-1] if self._ends else self.token) + length)
+
+    def locate(self, token: int, length: Callable[[int], int]) -> tuple[int, int]:
+        """``(position, offset)`` of the document holding stream token ``token``, and how many of
+        its tokens come before it; reads the lengths it needs with ``length(position)``.
+        Empty documents hold no token: the one returned is never empty."""
+        if token < self.token:
+            raise ValueError(f"token {token} is before the anchor ({self.position}, {self.token})")
+        while not self._ends or self._ends[-1] <= token:
+            self.learn(self.known, length(self.known))
+        k = bisect.bisect_right(self._ends, token)
+        start = self._ends[k - 1] if k else self.token
+        return self.position + k, token - start
+
+    def forget_before(self, token: int) -> tuple[int, int]:
+        """Move the anchor to the last known document start at or before ``token`` (the committed
+        cursor's first token), dropping what comes before it; returns the new anchor."""
+        if token < self.token:
+            raise ValueError(f"token {token} is before the anchor ({self.position}, {self.token})")
+        k = bisect.bisect_right(self._ends, token)
+        if k:
+            self.position, self.token = self.position + k, self._ends[k - 1]
+            del self._ends[:k]
+        return self.position, self.token

@@ -2,8 +2,12 @@
 a scripted stand-in for torchft's ``Manager`` (no torchft, no lighthouse): the quorum changes
 every step, some steps do not commit, the group sometimes sits a step out or heals. Over the
 committed steps every sample is trained once, tp peers get the same samples, labels belong to
-their inputs, and the leader reads only the current step's share. The real thing, with torchft
-and SIGKILL, is ``tests/integrations/test_torchft_elastic.py``."""
+their inputs, and the leader reads only the current step's share. The same over real MDS shards
+(a ``StreamingDataset`` the leaders alone build, :class:`LeaderStreamingDataset`): its samples,
+and packed rows of its documents, where the group also heals from states that jump the cursor
+ahead with an anchor at the order's start: every token of every document once, in the order's
+sequence. The real thing, with torchft and SIGKILL, is
+``tests/integrations/test_torchft_elastic.py``."""
 
 from __future__ import annotations
 
@@ -11,14 +15,17 @@ import math
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from ranks import make_mesh
 
 from collective_loader import LeaderError
-from collective_loader.integrations.torchft import QuorumData
+from collective_loader.integrations.torchft import LeaderStreamingDataset, QuorumData
 from collective_loader.plan.quorum import GlobalOrder, participant_range
+from collective_loader.testing.data import numbered_documents, tokens, write_dataset, write_token_documents
+from collective_loader.text import Packing, TokenColumn
 
 G, N = 10, 37  # global batch, dataset length (steps wrap around passes)
 
@@ -218,3 +225,160 @@ def test_steps_out_of_order_are_refused(worlds):
     for errors in worlds.get(4).run(out_of_order):
         assert len(errors) == 4 and "init_sync=False" in errors[0]
         assert "without a step" in errors[1] and "again before end_step" in errors[2] and "expected 1" in errors[3]
+
+
+# --- real MDS shards: a StreamingDataset built on the leaders alone ---------------------------------
+
+SEQ, STRIDE, DOCS = 6, 1 << 10, 300  # samples of SEQ + 1 tokens; token k of document i is i * STRIDE + k
+
+
+def doc_lengths() -> list[int]:
+    return np.random.default_rng(4).integers(0, 25, size=DOCS).tolist()  # some empty
+
+
+@pytest.fixture(scope="module")
+def mds(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quorum_mds")
+    write_dataset(str(root / "samples"), N, SEQ, shard_bytes=1 << 9)  # several shards
+    write_token_documents(str(root / "docs"), numbered_documents(doc_lengths(), STRIDE), "bytes", "uint32", 1 << 10)
+    return root
+
+
+def streaming_steps(path: str, steps: int) -> dict:
+    mesh = make_mesh(("dp_shard", "tp"), (2, 2))
+    manager = ScriptedManager(5)
+    docs = LeaderStreamingDataset(mesh, local=path)
+    data = QuorumData(docs, mesh, manager, global_batch=G, micro_batch=2, inputs=("tokens", "id"), labels=(), seed=7)
+    log, world = [], None
+    if data.loader.is_leader:  # streaming saw the leaders' world: 2 ranks, one per replica
+        world = (data.loader.source.dataset.dataset._unique_rank_world.num_ranks, len(data.loader.source.dataset))
+    for _ in range(steps):
+        manager.start_quorum()
+        cursor, ids, rows_ok = data.cursor, [], True
+        for batch in data.step():
+            ids += batch["id"].tolist()
+            rows_ok &= all(
+                np.array_equal(t.numpy(), tokens(i, SEQ)) for t, i in zip(batch["tokens"], batch["id"].tolist())
+            )
+        committed = manager.should_commit()
+        data.end_step(committed)
+        log.append({"cursor": cursor, "quorum": manager.quorum, "ids": ids, "committed": committed, "ok": rows_ok})
+    data.close()
+    return {"log": log, "dp_rank": data.loader.dp_rank, "world": world}
+
+
+@pytest.mark.timeout(240)
+def test_a_streaming_dataset_read_by_index_trains_every_sample_once(worlds, mds):
+    results = worlds.get(4).run(streaming_steps, str(mds / "samples"), 20)
+    assert [r["world"] for r in results if r["world"]] == [(2, N), (2, N)]
+    by_dp = {d: [r for r in results if r["dp_rank"] == d] for d in (0, 1)}
+    assert all(r["log"] == by_dp[d][0]["log"] for d in (0, 1) for r in by_dp[d])  # tp peers: the same
+    order, cursor = GlobalOrder(N, seed=7), 0
+    for a, b in zip(by_dp[0][0]["log"], by_dp[1][0]["log"]):
+        assert a["cursor"] == cursor and a["ok"] and b["ok"]  # each sample's tokens are its own
+        participant, n = a["quorum"]
+        expected = [] if participant is None else order.indices(*participant_range(cursor, G, participant, n))
+        assert a["ids"] + b["ids"] == expected  # this participant's piece of the window, in the order
+        cursor += G * a["committed"]
+    assert cursor >= 5 * G
+
+
+class HealingManager(ScriptedManager):
+    """Also heals now and then, as torchft would a group that missed steps: the state it loads is
+    this group's own with the cursor ``jump`` windows ahead (0 or 1: the others committed one
+    without it) and the anchor at the order's start (the least a peer's can tell)."""
+
+    def __init__(self, seed: int, key: str = "collective_loader") -> None:
+        super().__init__(seed)
+        self.key, self.jumps = key, []
+
+    def start_quorum(self) -> None:
+        super().start_quorum()
+        jump = self.rng.choice([0, 1]) if self.rng.random() < 0.2 else None
+        self.jumps.append(jump)
+        if jump is not None:
+            load, save = self.fns[self.key]
+            state = save()
+            load({**state, "cursor": state["cursor"] + jump * state["global_batch"], "anchor": [0, 0]})
+            self.step_no += jump
+
+
+def packed_steps(path: str, steps: int, seq_len: int, micro_batch: int) -> dict:
+    mesh = make_mesh(("dp_shard", "tp"), (2, 2))
+    manager = HealingManager(9)
+    data = QuorumData(
+        LeaderStreamingDataset(mesh, local=path),
+        mesh,
+        manager,
+        global_batch=G,
+        micro_batch=micro_batch,
+        packing=Packing(seq_len),
+        layout=TokenColumn(dtype="uint32"),
+        inputs=("input_ids", "position_ids"),
+        labels=("labels",),
+        seed=3,
+    )
+    log, started = [], time.perf_counter()
+    for _ in range(steps):
+        manager.start_quorum()
+        cursor, rows = data.cursor, []
+        for batch in data.step():
+            assert torch.equal(batch["labels"][:, :-1], batch["input_ids"][:, 1:])  # labels of their inputs
+            rows += [
+                {"tokens": ids + [labels[-1]], "positions": pos}
+                for ids, labels, pos in zip(
+                    batch["input_ids"].tolist(), batch["labels"].tolist(), batch["position_ids"].tolist()
+                )
+            ]
+        committed = manager.should_commit()
+        data.end_step(committed)
+        log.append({"cursor": cursor, "quorum": manager.quorum, "rows": rows, "committed": committed})
+    per_step = (time.perf_counter() - started) / steps
+    stats = data.loader.stats() if data.loader.is_leader else {}
+    data.close()
+    return {"log": log, "dp_rank": data.loader.dp_rank, "jumps": manager.jumps, "stats": stats, "per_step": per_step}
+
+
+def token_stream(order: GlobalOrder, positions: int) -> tuple[list[int], list[int]]:
+    """The first ``positions`` documents of the order concatenated: each token, and the position
+    of its document in the order (a document recurs in every pass)."""
+    docs = numbered_documents(doc_lengths(), STRIDE)
+    pairs = [(int(t), p) for p, i in enumerate(order.indices(0, positions)) for t in docs[i]]
+    return [t for t, _ in pairs], [p for _, p in pairs]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seq_len, micro_batch", [(7, 2), (23, 1)])  # rows shorter and longer than most documents
+def test_packed_rows_of_a_streaming_dataset_train_every_token_once(worlds, mds, seq_len, micro_batch):
+    steps = 24
+    results = worlds.get(4).run(packed_steps, str(mds / "docs"), steps, seq_len, micro_batch)
+    by_dp = {d: [r for r in results if r["dp_rank"] == d] for d in (0, 1)}
+    assert all(r["log"] == by_dp[d][0]["log"] for d in (0, 1) for r in by_dp[d])  # tp peers: the same rows
+    size = seq_len + 1
+    stream, owner = token_stream(GlobalOrder(DOCS, seed=3), 3 * DOCS)  # more than the steps need
+    jumps = by_dp[0][0]["jumps"]
+    cursor, rows_trained = 0, 0
+    for step, (a, b) in enumerate(zip(by_dp[0][0]["log"], by_dp[1][0]["log"])):
+        cursor += G * bool(jumps[step])  # healed past a window the others committed
+        assert a["cursor"] == cursor
+        participant, n = a["quorum"]
+        lo, hi = (cursor, cursor) if participant is None else participant_range(cursor, G, participant, n)
+        rows = a["rows"] + b["rows"]
+        # this participant's piece of the window: the stream's tokens lo * size .. hi * size, in order
+        assert [t for r in rows for t in r["tokens"]] == stream[lo * size : hi * size]
+        for k, r in enumerate(rows):  # positions restart at each document and at each row
+            docs = owner[(lo + k) * size : (lo + k + 1) * size]
+            assert r["positions"] == [
+                0 if j == 0 or docs[j] != docs[j - 1] else r["positions"][j - 1] + 1 for j in range(seq_len)
+            ]
+        if a["committed"]:
+            cursor += G
+            rows_trained += hi - lo
+    assert cursor >= 8 * G and rows_trained and any(jumps) and any(j == 0 for j in jumps if j is not None)
+    read = [r["stats"] for r in results if r["stats"]]
+    per_step = max(r["per_step"] for r in results)
+    print(
+        f"QuorumData packed rows (seq_len {seq_len}, {steps} attempts, {cursor // G} windows): leaders read "
+        f"{[int(s['quorum_tokens_read']) for s in read]} tokens for {[int(s['quorum_rows']) * size for s in read]} "
+        f"tokens of rows delivered; {1e3 * per_step:.1f} ms per step"
+    )

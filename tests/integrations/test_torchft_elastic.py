@@ -1,6 +1,8 @@
 """Replica groups killed (SIGKILL), restarted, leaving for good and joining a running torchft job,
 in both quorum modes: over the committed steps every sample is trained once, with a constant
-global batch (``tests/support/ft_job.py`` checks the ranks' logs and the final weights).
+global batch (``tests/support/ft_job.py`` checks the ranks' logs and the final weights). The
+same with packed rows of MDS documents that each group's leaders read with a real
+``StreamingDataset``: every token of every document once, in the order's sequence.
 
 Each group is a 2-rank ``torchrun`` job (tp=2 or dp_shard=2) training ``nn.Linear`` under
 torchft's ``Manager`` on ``QuorumData``; the lighthouse runs in the test on 127.0.0.1. The kill
@@ -70,8 +72,8 @@ def leave_and_join(job: FtJob, seed: int) -> dict:
     return figures
 
 
-def run(tmp_path, mode: str, dim: str, scenario, **kwargs) -> dict:
-    job = FtJob(tmp_path / "job", mode, dim)
+def run(tmp_path, mode: str, dim: str, scenario, data: str = "samples", **kwargs) -> dict:
+    job = FtJob(tmp_path / "job", mode, dim, data=data)
     started = time.monotonic()
     try:
         figures = scenario(job, **kwargs)
@@ -79,7 +81,7 @@ def run(tmp_path, mode: str, dim: str, scenario, **kwargs) -> dict:
         job.close()
     figures["seconds"] = round(time.monotonic() - started, 1)
     sizes = figures.pop("quorum_sizes")
-    print(f"{mode} {dim} {scenario.__name__} {kwargs}: {figures}")
+    print(f"{mode} {dim} {data} {scenario.__name__} {kwargs}: {figures}")
     assert len(set(sizes)) > 1 and figures["joined_at_step"]  # the quorum changed; a group joined a running job
     return figures
 
@@ -90,8 +92,18 @@ def test_a_group_killed_mid_step_heals_and_trains_every_sample_once_sync(tmp_pat
 
 
 @pytest.mark.timeout(300)
-def test_a_group_leaves_and_a_new_one_joins_async(tmp_path):
-    run(tmp_path, "async", "dp_shard", leave_and_join, seed=2)
+def test_a_group_leaves_and_a_new_one_joins_packed_rows_of_a_streaming_dataset_async(tmp_path):
+    """Packed rows: each group's two leaders (dp_shard=2) read the MDS documents with a
+    StreamingDataset built in a world of their own; the new group heals, sits a step out
+    (asynchronous quorum) and takes its rows from the cursor and anchor a live peer sent."""
+    run(tmp_path, "async", "dp_shard", leave_and_join, data="rows", seed=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode, dim", [("sync", "tp"), ("async", "dp_shard"), ("async", "tp")])
+def test_packed_rows_kill_and_restart(tmp_path, mode, dim):
+    run(tmp_path, mode, dim, kill_and_restart, data="rows", seed=5)
 
 
 @pytest.mark.slow
@@ -105,6 +117,6 @@ def test_kill_and_restart_at_every_phase(tmp_path, mode, dim, phase):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_leave_and_join_tp(tmp_path, mode):
-    run(tmp_path, mode, "tp", leave_and_join, seed=4)
+@pytest.mark.parametrize("mode, dim", [("sync", "tp"), ("async", "tp"), ("async", "dp_shard")])
+def test_leave_and_join(tmp_path, mode, dim):
+    run(tmp_path, mode, dim, leave_and_join, seed=4)

@@ -11,7 +11,9 @@ phases ``before``, ``during`` and ``after`` the gradient all-reduce), ``FT_G``, 
 ``FT_HOLD`` (1: a standby, started ahead: wait for the key ``go_<group>`` before joining
 the job, so that a restart or a new group costs the test no process start), ``FT_START_WITH`` (groups to wait for before the first step: those the test starts
 together), ``FT_MAX_STEPS``, ``FT_SLEEP`` (seconds per step: the pace, so that a restarted group meets a job
-still running).
+still running); ``FT_DATA``: ``samples`` (a map-style dataset of ``FT_N`` samples) or ``rows``
+(packed rows of ``FT_SEQ + 1`` tokens from the MDS documents in ``FT_MDS``, token ids uint32, read
+by a ``StreamingDataset`` the group's leaders build: :class:`LeaderStreamingDataset`).
 
 Keys rank 0 sets after each committed step: ``commits_<group>_<n>`` (the group's n-th committed
 step, from 1, restarts included; the counter ``commits_<group>``) and ``trained_<group>_<n>``
@@ -34,7 +36,8 @@ from torch.distributed import ReduceOp
 from torch.distributed.device_mesh import init_device_mesh
 from torchft import Manager, ProcessGroupGloo
 
-from collective_loader.integrations.torchft import QuorumData
+from collective_loader.integrations.torchft import LeaderStreamingDataset, QuorumData
+from collective_loader.text import Packing, TokenColumn
 
 D = 4  # features
 TRUE_W = torch.arange(1.0, D + 1)
@@ -58,6 +61,21 @@ class Samples:
         return {"x": self.x[i], "y": self.y[i], "sample_id": i}
 
 
+def row_features(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed row's inputs and label for the tiny model: functions of its tokens (the same in
+    every process, and in the test's plain run)."""
+    x = torch.stack(
+        [
+            (input_ids % 97).double().mean(1) / 97,
+            (labels % 89).double().mean(1) / 89,
+            (input_ids % 2).double().mean(1),
+            torch.ones(len(input_ids), dtype=torch.double),
+        ],
+        dim=1,
+    ).float()
+    return x, x @ TRUE_W
+
+
 def new_model() -> nn.Linear:
     torch.manual_seed(1)
     return nn.Linear(D, 1)
@@ -75,6 +93,8 @@ def main() -> None:
     host, port = env["FT_STORE"].rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=WAIT)
 
+    if env.get("FT_DATA") == "rows":  # before a standby's hold: a restart costs the test no import
+        import collective_loader.streaming.dataset  # noqa: F401
     if env.get("FT_HOLD") == "1":
         store.wait([f"go_{group}"], WAIT)  # the test kills a standby it never releases
     dist.init_process_group("gloo")
@@ -110,17 +130,33 @@ def main() -> None:
         init_sync=mode == "sync",  # QuorumData refuses init_sync in the asynchronous mode
     )
     x_all, y_all = features(n)
-    data = QuorumData(
-        lambda: Samples(n),
-        mesh,
-        manager,
-        global_batch=global_batch,
-        micro_batch=micro_batch,
-        inputs=("x", "sample_id"),
-        labels=("y",),
-        seed=5,
-        timeout=60,
-    )
+    rows = env.get("FT_DATA", "samples") == "rows"
+    if rows:
+        data = QuorumData(
+            LeaderStreamingDataset(mesh, local=env["FT_MDS"]),
+            mesh,
+            manager,
+            global_batch=global_batch,
+            micro_batch=micro_batch,
+            packing=Packing(int(env["FT_SEQ"])),
+            layout=TokenColumn(dtype="uint32"),
+            inputs=("input_ids", "position_ids"),
+            labels=("labels",),
+            seed=5,
+            timeout=60,
+        )
+    else:
+        data = QuorumData(
+            lambda: Samples(n),
+            mesh,
+            manager,
+            global_batch=global_batch,
+            micro_batch=micro_batch,
+            inputs=("x", "sample_id"),
+            labels=("y",),
+            seed=5,
+            timeout=60,
+        )
     log({"event": "start", "mode": mode, "dim": dim})
     start_with = 2 * int(env.get("FT_START_WITH", "0"))  # ranks started together
     if start_with:
@@ -146,14 +182,19 @@ def main() -> None:
         started = time.perf_counter()
         cursor_before = data.cursor
         manager.start_quorum()
-        ids, labels_ok, micro = [], True, 0
+        ids, positions, labels_ok, micro = [], [], True, 0
         for batch in data.step():
             micro += 1
-            ids += batch["sample_id"].tolist()
-            labels_ok &= torch.equal(batch["x"], x_all[batch["sample_id"]]) and torch.equal(
-                batch["y"], y_all[batch["sample_id"]]
-            )
-            loss = ((model(batch["x"]).squeeze(1) - batch["y"]) ** 2).sum() / data.global_samples
+            if rows:  # a row's tokens: its inputs and its last label
+                ids += [i + [lab[-1]] for i, lab in zip(batch["input_ids"].tolist(), batch["labels"].tolist())]
+                positions += batch["position_ids"].tolist()
+                labels_ok &= torch.equal(batch["labels"][:, :-1], batch["input_ids"][:, 1:])
+                x, y = row_features(batch["input_ids"], batch["labels"])
+            else:
+                ids += batch["sample_id"].tolist()
+                x, y = batch["x"], batch["y"]
+                labels_ok &= torch.equal(x, x_all[batch["sample_id"]]) and torch.equal(y, y_all[batch["sample_id"]])
+            loss = ((model(x).squeeze(1) - y) ** 2).sum() / data.global_samples
             loss.backward()
         share = data.share
         assert share is not None
@@ -170,7 +211,8 @@ def main() -> None:
                 "healing": manager._healing,
                 "cursor_before": cursor_before,
                 "cursor": share.cursor,
-                "ids": ids,
+                "ids": ids,  # sample ids, or rows' tokens
+                "positions": positions,
                 "micro": micro,
                 "labels_ok": labels_ok,
                 "dp_rank": data.loader.dp_rank,

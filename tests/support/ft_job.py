@@ -1,8 +1,9 @@
 """A torchft job for the tests: a lighthouse on 127.0.0.1, replica groups as ``torchrun`` jobs of
 ``ft_group.py`` that the test starts, kills (SIGKILL, whole process trees) and restarts, and the
 check of what every rank logged: over the committed steps of the surviving lineage, every sample
-once, in the global order, the global batch constant, tp peers identical, labels of their inputs,
-and the final weights those of one plain run over the same global batches.
+once (or, with packed rows of MDS documents, every token of every document once), in the global
+order, the global batch constant, tp peers identical, labels of their inputs, and the final
+weights those of one plain run over the same global batches.
 
 The test and the ranks wait for each other on a ``TCPStore`` the test hosts (keys the ranks set:
 ``stopped_<group>_<rank>``, ``commits_<group>_<n>``, ``trained_<group>_<n>``; keys the test
@@ -17,16 +18,18 @@ import os
 import subprocess
 import sys
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from processes import gone, kill_tree
 
 from collective_loader.plan.quorum import GlobalOrder
+from collective_loader.testing.data import numbered_documents, write_token_documents
 
 WORKER = Path(__file__).with_name("ft_group.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +45,8 @@ class FtJob:
     global_batch: int = 6
     micro_batch: int = 2
     samples: int = 20000  # more than 3000 steps of 6: every sample at most once
+    data: str = "samples"  # or "rows": packed rows of MDS documents (ft_group.py's FT_DATA)
+    seq_len: int = 7  # rows of 8 tokens
     groups: dict[str, subprocess.Popen] = field(default_factory=dict)
     started: list[subprocess.Popen] = field(default_factory=list)
 
@@ -54,6 +59,8 @@ class FtJob:
         port = self.lighthouse.address().rsplit(":", 1)[1]
         self.address = f"http://127.0.0.1:{port}"
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.data == "rows":  # the documents of the first pass: more tokens than 3000 steps of rows
+            write_token_documents(str(self.root / "mds"), documents(), "bytes", "uint32", shard_bytes=1 << 14)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         # the exit watchers' own connection: a client does one operation at a time, and the
         # test's may be a wait
@@ -82,6 +89,9 @@ class FtJob:
             FT_G=str(self.global_batch),
             FT_M=str(self.micro_batch),
             FT_N=str(self.samples),
+            FT_DATA=self.data,
+            FT_MDS=str(self.root / "mds"),
+            FT_SEQ=str(self.seq_len),
             PYTHONPATH=os.pathsep.join([str(REPO), str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
         )
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -195,17 +205,68 @@ class FtJob:
         self.lighthouse.shutdown()
 
 
+DOCUMENTS, STRIDE = 9000, 64  # documents of 0 to 40 tokens; token k of document i is i * STRIDE + k
+
+
+def documents() -> list[np.ndarray]:
+    """The MDS documents of a job over packed rows (some empty)."""
+    return numbered_documents(np.random.default_rng(6).integers(0, 41, size=DOCUMENTS).tolist(), STRIDE)
+
+
+class Order:
+    """What the positions of the job's global order hold: sample ids, or packed rows (each
+    ``seq_len + 1`` tokens of the documents of the order concatenated, with the order position
+    of each token's document)."""
+
+    def __init__(self, job: FtJob) -> None:
+        self.job = job
+        if job.data == "rows":
+            docs = documents()
+            order = GlobalOrder(len(docs), seed=5).indices(0, len(docs))  # one pass
+            self.tokens = np.concatenate([docs[i] for i in order]).tolist()
+            self.owner = np.concatenate([np.full(len(docs[i]), p) for p, i in enumerate(order)]).tolist()
+            self.size = job.seq_len + 1
+            self.length = len(self.tokens) // self.size  # rows of the first pass
+        else:
+            self.order = GlobalOrder(job.samples, seed=5)
+            self.length = job.samples
+
+    def window(self, lo: int, hi: int) -> list:
+        """Positions ``[lo, hi)``: sample ids, or rows (lists of tokens)."""
+        if self.job.data == "rows":
+            return [self.tokens[r * self.size : (r + 1) * self.size] for r in range(lo, hi)]
+        return self.order.indices(lo, hi)
+
+    def positions(self, row: int) -> list[int]:
+        """The ``position_ids`` of row ``row``: 0 at each document's first token in the row."""
+        owner = self.owner[row * self.size : (row + 1) * self.size - 1]
+        out: list[int] = []
+        for j, doc in enumerate(owner):
+            out.append(0 if j == 0 or doc != owner[j - 1] else out[-1] + 1)
+        return out
+
+    def features(self, window: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tiny model's inputs and labels for a window (as ft_group.py computes them)."""
+        from ft_group import features, row_features
+
+        if self.job.data == "rows":
+            rows = torch.tensor(window)
+            return row_features(rows[:, :-1], rows[:, 1:])
+        x, y = features(self.job.samples)
+        ids = torch.tensor(window)
+        return x[ids], y[ids]
+
+
 def reference_weights(job: FtJob, steps: int) -> list[float]:
     """The weights of one plain process trained on the same global batches (no torchft)."""
-    from ft_group import features, new_model
+    from ft_group import new_model
 
-    x, y = features(job.samples)
+    order = Order(job)
     model = new_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    order = GlobalOrder(job.samples, seed=5)
     for s in range(steps):
-        ids = torch.tensor(order.indices(s * job.global_batch, (s + 1) * job.global_batch))
-        loss = ((model(x[ids]).squeeze(1) - y[ids]) ** 2).sum() / job.global_batch
+        x, y = order.features(order.window(s * job.global_batch, (s + 1) * job.global_batch))
+        loss = ((model(x).squeeze(1) - y) ** 2).sum() / job.global_batch
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -213,10 +274,10 @@ def reference_weights(job: FtJob, steps: int) -> list[float]:
 
 
 def check(job: FtJob) -> dict:
-    """What the ranks logged, checked; returns the figures (steps, samples, quorum sizes, ...)."""
+    """What the ranks logged, checked; returns the figures (steps, samples or tokens, quorum sizes, ...)."""
     recs = job.records()
     g = job.global_batch
-    order = GlobalOrder(job.samples, seed=5)
+    order = Order(job)
     serves = [r for r in recs if r["event"] == "serve"]
     commits = [r for r in recs if r["event"] == "commit" and r["committed"]]
     assert all(r["labels_ok"] for r in serves), "a rank got labels that are not its inputs'"
@@ -226,7 +287,7 @@ def check(job: FtJob) -> dict:
         lineage[c["step"]] = max(lineage.get(c["step"], -1), c["qid"])
     steps = sorted(lineage)
     assert steps == list(range(len(steps))), f"committed steps with gaps: {steps}"
-    trained: list[int] = []
+    trained: list = []
     quorum_sizes = []
     for s in steps:
         q = lineage[s]
@@ -240,19 +301,34 @@ def check(job: FtJob) -> dict:
         for r in serves:
             if (r["step"], r["qid"]) == (s, q):
                 last[(r["pid"], r["rank"])] = r
-        replicas: dict[tuple, list[list[int]]] = defaultdict(list)
+        replicas: dict[tuple, list[dict]] = defaultdict(list)
         for r in last.values():
             if r["participant"] is not None:
                 assert r["cursor"] == s * g, f"step {s}: served from cursor {r['cursor']}"
-                replicas[(r["participant"], r["dp_rank"], r["group"])].append(r["ids"])
+                replicas[(r["participant"], r["dp_rank"], r["group"])].append(r)
         for key, copies in replicas.items():
-            assert all(c == copies[0] for c in copies), f"step {s}: tp peers of {key} got different samples"
-        step_ids = [i for key in sorted(replicas) for i in replicas[key][0]]
-        assert step_ids == order.indices(s * g, (s + 1) * g), f"step {s}: trained {step_ids}"
+            assert all(c["ids"] == copies[0]["ids"] for c in copies), f"step {s}: tp peers of {key} got different data"
+            assert all(c["positions"] == copies[0]["positions"] for c in copies), f"step {s}: tp peers' positions"
+        step_units = [u for key in sorted(replicas) for u in replicas[key][0]["ids"]]
+        assert step_units == order.window(s * g, (s + 1) * g), f"step {s}: trained {step_units}"
+        if job.data == "rows":  # positions restart at each document and at each row
+            positions = [p for key in sorted(replicas) for p in replicas[key][0]["positions"]]
+            assert positions == [order.positions(r) for r in range(s * g, (s + 1) * g)], f"step {s}: positions"
         quorum_sizes.append(max(r["participants"] for r in last.values()))
-        trained += step_ids
-    assert trained == order.indices(0, len(steps) * g)
-    assert len(steps) * g <= job.samples and len(set(trained)) == len(trained)  # one pass: each sample once
+        trained += step_units
+    assert len(steps) * g <= order.length, "the job went past one pass: exactly once is over one"
+    if job.data == "rows":
+        tokens = [t for row in trained for t in row]
+        missing = Counter(order.tokens[: len(tokens)])
+        missing.subtract(Counter(tokens))
+        lost, repeated = sum((+missing).values()), sum((-missing).values())
+        assert tokens == order.tokens[: len(tokens)] and lost == repeated == 0
+        units = {"tokens_committed": len(tokens), "documents_begun": len(set(order.owner[: len(tokens)]))}
+    else:
+        lost = len(set(order.window(0, len(trained))) - set(trained))
+        repeated = len(trained) - len(set(trained))
+        assert trained == order.window(0, len(steps) * g) and lost == repeated == 0
+        units = {"samples_committed": len(trained)}
     done = [r for r in recs if r["event"] == "done"]
     assert done, "no group finished"
     expected = reference_weights(job, len(steps))
@@ -271,9 +347,9 @@ def check(job: FtJob) -> dict:
         sizes[n] += 1
     return {
         "steps": len(steps),
-        "samples_committed": len(trained),
-        "lost": 0,
-        "repeated": 0,
+        **units,
+        "lost": lost,
+        "repeated": repeated,
         "attempts": attempts,
         "quorum_sizes": quorum_sizes,
         "steps_by_participants": dict(sizes),
