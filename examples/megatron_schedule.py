@@ -5,13 +5,16 @@ from a Megatron ``.bin``/``.idx`` corpus read on the leaders only, and resumes e
     python examples/megatron_schedule.py --steps 6
 
 Rank 0 first writes a corpus as Megatron's preprocess_data.py does (``IndexedDatasetBuilder``:
-documents of token ids ending with an end-of-document token). Then, on one world of 4 gloo ranks,
+documents of token ids, each ending with the tokenizer's end of document, ``NullTokenizer.eod``,
+which megatron-core 0.18 moved). Then, on one world of 4 gloo ranks,
 a small GPTModel (megatron-core's local layer spec: 4 layers, hidden 32, vocabulary 64, sequences
 of 16) is trained for a few steps by ``get_forward_backward_func()`` (no pipelining at pp = 1,
 1F1B with pp > 1, the interleaved 1F1B with two model chunks per pp rank, vp = 2), the global batch of 8 sequences per step cut into micro-batches of 2. Its
 ``forward_step`` takes each micro-batch from ``collective_loader.integrations.megatron.get_batch``:
-one leader per replica builds megatron-core's GPTDataset of the corpus and reads it in Megatron-LM's
-sampler order (``collective_loader.integrations.megatron_data``); the first stage gets tokens and
+one leader per replica builds megatron-core's GPTDataset of the corpus's train split (Megatron-LM's
+default ``--split 969,30,1``) and reads it in Megatron-LM's sampler order
+(``collective_loader.integrations.megatron_data``), with ``eod_mask_loss`` (every micro-batch's loss
+mask must hide exactly the positions after an end of document, or the rank raises); the first stage gets tokens and
 position ids, the last stage labels and loss mask, tensor-parallel peers the same copies (what
 Megatron's ``get_batch_on_this_tp_rank`` broadcasts). Middle stages (pp = 4) get no data iterator
 at all, as in Megatron's own training loop, and never touch the loader; every rank closes it.
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import re
 import sys
@@ -58,7 +62,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import megatron_cpu  # noqa: E402  (the CPU stand-ins; not needed on GPUs)
 
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS = 64, 16, 32, 4, 4
-EOD, DOCUMENTS = VOCAB - 1, 64
+DOCUMENTS = 64
 MICRO, GLOBAL = 2, 8  # sequences per micro-batch, per step (all replicas)
 SEED, LR = 1234, 0.5
 RTOL = 1e-5  # float32: micro-batching, tp's partial sums and the dp all-reduce change the summation order
@@ -84,18 +88,30 @@ class Trained(NamedTuple):
     schedule: str
 
 
+@functools.cache
+def tokenizer():
+    """megatron-core's NullTokenizer within the model's vocabulary of VOCAB. Its end of document
+    depends on the version: ``NullTokenizer(63).eod`` is 63 in 0.16 (vocabulary 64), 62 from 0.18
+    on (vocabulary 63); everything here reads ``.eod``."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    return NullTokenizer(VOCAB - 1)
+
+
 def write_corpus(prefix: str) -> None:
     """What Megatron's preprocess_data.py writes: documents of token ids (repeated patterns the
-    model can learn), each ending with the end-of-document token ``EOD``, as ``prefix.bin/.idx``."""
+    model can learn), each ending with the tokenizer's end of document (and holding it nowhere
+    else), as ``prefix.bin/.idx``."""
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+    eod = tokenizer().eod
     g = torch.Generator().manual_seed(SEED)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
     for _ in range(DOCUMENTS):
         period, length = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((2, 6), (8, 48)))
-        pattern = torch.randint(0, EOD, (period,), generator=g)
-        document = torch.cat([pattern.repeat(length // period + 1)[:length], torch.tensor([EOD])])
+        pattern = torch.randint(0, eod, (period,), generator=g)
+        document = torch.cat([pattern.repeat(length // period + 1)[:length], torch.tensor([eod])])
         builder.add_document(document.numpy(), [len(document)])
     builder.finalize(prefix + ".idx")
 
@@ -104,18 +120,19 @@ def samples(prefix: str, dp_rank: int, dp_size: int) -> MegatronSamples:
     """A replica's micro-batches (built on its leader only): megatron-core's GPTDataset of the
     corpus, in Megatron-LM's sampler order, so every layout trains the same global batches."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
     config = GPTDatasetConfig(
         random_seed=SEED,
         sequence_length=SEQ,
-        tokenizer=NullTokenizer(EOD),  # its end of document is EOD, its vocabulary VOCAB
+        blend=([prefix], None),  # Megatron-LM's --data-path
+        split="969,30,1",  # and --split (its default): the first 62 of the 64 documents train
+        tokenizer=tokenizer(),
         reset_position_ids=False,
         reset_attention_mask=False,
-        eod_mask_loss=False,
+        eod_mask_loss=True,  # --eod-mask-loss: no loss on predicting the token after an end of document
         create_attention_mask=False,  # forward_step makes the causal mask: no tensor to send
     )
-    return MegatronSamples(gpt_dataset(prefix, config), MICRO, dp_rank, dp_size)
+    return MegatronSamples(gpt_dataset(config), MICRO, dp_rank, dp_size)
 
 
 def set_weights(model: torch.nn.Module, tp: int, tp_rank: int) -> None:
@@ -149,11 +166,21 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
 
 
+def masks_the_ends_of_documents(b: MegatronBatch) -> bool:
+    """Whether the loss mask is 0 exactly after each end of document (Megatron's eod_mask_loss
+    masks the positions whose input is one): the input of each position but the first is the
+    label before it."""
+    ends = b.labels[:, :-1] == tokenizer().eod
+    return torch.equal(b.loss_mask[:, 1:], (~ends).to(b.loss_mask.dtype))
+
+
 def forward_step(data_iterator, model):
     """Megatron's forward step: only a model chunk that embeds or computes the loss reads a
     micro-batch (a middle stage has no iterator at all)."""
     reads = data_iterator is not None and (model.pre_process or model.post_process)
     b = get_batch(data_iterator) if reads else MegatronBatch(None, None, None, None, None)
+    if b.loss_mask is not None and not masks_the_ends_of_documents(b):
+        raise RuntimeError(f"the loss mask does not hide exactly the ends of documents ({tokenizer().eod})")
     causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True = masked
     output = model(b.tokens, b.position_ids, causal, labels=b.labels)
     return output, partial(loss_func, b.loss_mask)
