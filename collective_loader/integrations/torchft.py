@@ -95,6 +95,10 @@ class QuorumData:
             ``input_ids``, ``labels`` and ``packing.boundaries``), every token of every document
             in one row; ``None``: the positions are the samples.
         layout: with ``packing``, where a sample's tokens are (default ``TokenColumn("tokens")``).
+        document_lengths: with ``packing``, optionally each sample's token count, by dataset index
+            (a list, an array, ``numpy.load(path, mmap_mode="r")``: only the leaders read it).
+            Without it a leader learns the lengths by reading the documents: every leader reads
+            about every document of every window; with it, only those of its own rows.
         collate: without ``packing``, samples -> one batch (default
             ``torch.utils.data.default_collate``); an empty micro-batch is the collate of one
             sample with every tensor cut to 0 rows.
@@ -115,6 +119,7 @@ class QuorumData:
         micro_batch: int,
         packing: Packing | None = None,
         layout: ColumnLayout | None = None,
+        document_lengths: Any = None,
         collate: Callable[[list[Any]], Batch] | None = None,
         shuffle: bool = True,
         seed: int = 0,
@@ -133,9 +138,9 @@ class QuorumData:
                 "of a group heal at step 0 and their gradients are dropped while their share of the data is counted"
             )
         self.positions: Positions = (
-            SamplePositions(collate or default_collate, layout)
+            SamplePositions(collate or default_collate, layout=layout, document_lengths=document_lengths)
             if packing is None
-            else RowPositions(packing, layout or TokenColumn(), collate)
+            else RowPositions(packing, layout=layout, document_lengths=document_lengths, collate=collate)
         )
         self.manager = manager
         self.global_batch, self.micro_batch = global_batch, micro_batch
@@ -309,14 +314,16 @@ def _check_kind(state: Mapping[str, Any], kind: str, settings: Mapping[str, Any]
 class SamplePositions:
     """Positions are samples: a micro-batch is the collate of the samples at its positions.
 
-    >>> reader = SamplePositions(default_collate, None).reader([{"x": i} for i in range(5)], GlobalOrder(5, shuffle=False))
+    >>> reader = SamplePositions(default_collate).reader([{"x": i} for i in range(5)], GlobalOrder(5, shuffle=False))
     >>> reader.read(3, 5), reader.empty()
     ({'x': tensor([3, 4])}, {'x': tensor([], dtype=torch.int64)})
     """
 
-    def __init__(self, collate: Callable[[list[Any]], Batch], layout: ColumnLayout | None) -> None:
-        if layout is not None:
-            raise ValueError("layout= says where packing finds a sample's tokens: give it with packing=")
+    def __init__(
+        self, collate: Callable[[list[Any]], Batch], *, layout: ColumnLayout | None = None, document_lengths: Any = None
+    ) -> None:
+        if layout is not None or document_lengths is not None:
+            raise ValueError("layout= and document_lengths= are packing's (a sample's tokens): give them with packing=")
         self.collate = collate
 
     def state(self) -> dict[str, Any]:
@@ -367,7 +374,7 @@ class RowPositions:
     one it last loaded (it reads nothing), which is never after the cursor either.
 
     >>> docs = [{"tokens": np.arange(10 * i, 10 * i + n)} for i, n in enumerate([3, 5, 2, 4])]
-    >>> rows = RowPositions(Packing(seq_len=3), TokenColumn(), None)
+    >>> rows = RowPositions(Packing(seq_len=3))
     >>> reader = rows.reader(docs, GlobalOrder(4, shuffle=False))
     >>> b = reader.read(1, 3)  # rows 1 and 2: tokens 4..11 of the stream
     >>> b["input_ids"].tolist(), b["labels"].tolist(), b["position_ids"].tolist()
@@ -376,7 +383,15 @@ class RowPositions:
     [2, 8]
     """
 
-    def __init__(self, packing: Packing, layout: ColumnLayout, collate: Any) -> None:
+    def __init__(
+        self,
+        packing: Packing,
+        *,
+        layout: ColumnLayout | None = None,
+        document_lengths: Any = None,
+        collate: Callable[[list[Any]], Batch] | None = None,
+    ) -> None:
+        layout = TokenColumn() if layout is None else layout
         if not isinstance(packing, Packing):
             raise TypeError(f"packing must be a collective_loader.text.Packing, got {type(packing).__qualname__}")
         if not isinstance(layout, (TokenColumn, TextColumn)):
@@ -392,7 +407,7 @@ class RowPositions:
             raise ValueError(
                 "Packing(at_end=...) does not apply to QuorumData: its order never ends, so every row is full"
             )
-        self.packing, self.layout = packing, layout
+        self.packing, self.layout, self.lengths = packing, layout, document_lengths
         self.anchor = (0, 0)  # (document position, its first token in the stream)
         self._starts: DocumentStarts | None = None  # a leader's, shared with its reader
 
@@ -418,38 +433,66 @@ class RowPositions:
 
     def reader(self, dataset: Any, order: GlobalOrder) -> Reader:
         self._starts = DocumentStarts(*self.anchor)
-        return _RowReader(dataset, order, self.packing, self.layout, self._starts)
+        if self.lengths is not None and len(self.lengths) != order.length:
+            raise ValueError(
+                f"document_lengths holds {len(self.lengths)} lengths for a dataset of {order.length} samples"
+            )
+        return _RowReader(dataset, order, self.packing, self.layout, self._starts, self.lengths)
 
 
 class _RowReader:
     """A leader's rows: it finds the document of a row's first token from the anchor
-    (:class:`~collective_loader.plan.quorum.DocumentStarts`, reading the lengths it does not
-    know yet), then packs from there. Every document it reads teaches the starts its length, so
-    a leader reads each document of the order about once for its length over the run, plus
-    those of its own rows; the last read document is kept, as the next read is often that one."""
+    (:class:`~collective_loader.plan.quorum.DocumentStarts`, asking the lengths it does not know
+    yet), then packs from there. Without ``lengths`` a length is known by reading the document,
+    so a leader reads each document of the order about once over the run, its own rows' or not;
+    with ``lengths`` (each sample's token count, by dataset index) it reads only the documents of
+    its own rows, and checks their lengths. The last document read is kept: the next read is
+    often that one."""
 
     def __init__(
-        self, dataset: Any, order: GlobalOrder, packing: Packing, layout: ColumnLayout, starts: DocumentStarts
+        self,
+        dataset: Any,
+        order: GlobalOrder,
+        packing: Packing,
+        layout: ColumnLayout,
+        starts: DocumentStarts,
+        lengths: Any = None,
     ) -> None:
         self.dataset, self.order, self.packing, self.layout, self.starts = dataset, order, packing, layout, starts
+        self.lengths = lengths
         self._encoder = layout.encoder() if isinstance(layout, TextColumn) else None  # resolved once
         self._last: tuple[int, np.ndarray] | None = None
-        self._empty_run = 0  # documents read in a row without a token
+        self._empty_run = 0  # lengths of 0 in a row
         self._figures = dict.fromkeys(("rows", "documents_read", "tokens_read"), 0)
+
+    def length(self, position: int) -> int:
+        """How many tokens the document at ``position`` of the order holds."""
+        if self.lengths is None:
+            n = len(self.document(position))
+        else:
+            n = int(self.lengths[self.order.indices(position, position + 1)[0]])
+        self._empty_run = 0 if n else self._empty_run + 1
+        if self._empty_run > self.order.length:  # a whole pass without a token: no row would ever end
+            raise ValueError(f"every document of the dataset is empty ({self.layout}): there is nothing to pack")
+        return n
 
     def document(self, position: int) -> np.ndarray:
         """The token ids of the document at ``position`` of the order."""
         if self._last is not None and self._last[0] == position:
             return self._last[1]
-        sample = self.dataset[self.order.indices(position, position + 1)[0]]
+        index = self.order.indices(position, position + 1)[0]
+        sample = self.dataset[index]
         if isinstance(self.layout, TextColumn):
             tokens = self.layout.documents([sample], self._encoder)[0]
         else:
             tokens = self.layout.read(sample)
+        if self.lengths is not None and len(tokens) != int(self.lengths[index]):
+            # a wrong length would shift every later row: tokens lost or trained twice
+            raise ValueError(
+                f"document_lengths[{index}] is {int(self.lengths[index])} but sample {index} holds {len(tokens)} "
+                f"tokens ({self.layout})"
+            )
         self.starts.learn(position, len(tokens))
-        self._empty_run = 0 if len(tokens) else self._empty_run + 1
-        if self._empty_run > self.order.length:  # a whole pass without a token: no row would ever end
-            raise ValueError(f"every document of the dataset is empty ({self.layout}): there is nothing to pack")
         self._last = (position, tokens)
         self._figures["documents_read"] += 1
         self._figures["tokens_read"] += len(tokens)
@@ -458,7 +501,7 @@ class _RowReader:
     def rows(self, lo: int, hi: int) -> list[Row]:
         """Rows ``[lo, hi)`` of the order."""
         size = self.packing.seq_len + 1
-        position, offset = self.starts.locate(lo * size, lambda p: len(self.document(p)))
+        position, offset = self.starts.locate(lo * size, self.length)
         packer = Packer(self.packing.seq_len)
         out: list[Row] = []
         while len(out) < hi - lo:

@@ -303,7 +303,7 @@ class HealingManager(ScriptedManager):
             self.step_no += jump
 
 
-def packed_steps(path: str, steps: int, seq_len: int, micro_batch: int) -> dict:
+def packed_steps(path: str, steps: int, seq_len: int, micro_batch: int, given_lengths: bool) -> dict:
     mesh = make_mesh(("dp_shard", "tp"), (2, 2))
     manager = HealingManager(9)
     data = QuorumData(
@@ -314,6 +314,7 @@ def packed_steps(path: str, steps: int, seq_len: int, micro_batch: int) -> dict:
         micro_batch=micro_batch,
         packing=Packing(seq_len),
         layout=TokenColumn(dtype="uint32"),
+        document_lengths=doc_lengths() if given_lengths else None,
         inputs=("input_ids", "position_ids"),
         labels=("labels",),
         seed=3,
@@ -348,10 +349,12 @@ def token_stream(order: GlobalOrder, positions: int) -> tuple[list[int], list[in
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("seq_len, micro_batch", [(7, 2), (23, 1)])  # rows shorter and longer than most documents
-def test_packed_rows_of_a_streaming_dataset_train_every_token_once(worlds, mds, seq_len, micro_batch):
+@pytest.mark.parametrize(  # rows shorter and longer than most documents; lengths read, or given
+    "seq_len, micro_batch, given_lengths", [(7, 2, False), (23, 1, True)]
+)
+def test_packed_rows_of_a_streaming_dataset_train_every_token_once(worlds, mds, seq_len, micro_batch, given_lengths):
     steps = 24
-    results = worlds.get(4).run(packed_steps, str(mds / "docs"), steps, seq_len, micro_batch)
+    results = worlds.get(4).run(packed_steps, str(mds / "docs"), steps, seq_len, micro_batch, given_lengths)
     by_dp = {d: [r for r in results if r["dp_rank"] == d] for d in (0, 1)}
     assert all(r["log"] == by_dp[d][0]["log"] for d in (0, 1) for r in by_dp[d])  # tp peers: the same rows
     size = seq_len + 1
@@ -378,7 +381,8 @@ def test_packed_rows_of_a_streaming_dataset_train_every_token_once(worlds, mds, 
     read = [r["stats"] for r in results if r["stats"]]
     per_step = max(r["per_step"] for r in results)
     print(
-        f"QuorumData packed rows (seq_len {seq_len}, {steps} attempts, {cursor // G} windows): leaders read "
+        f"QuorumData packed rows (seq_len {seq_len}, lengths {'given' if given_lengths else 'read'}, {steps} attempts, "
+        f"{cursor // G} windows, heals that reset the anchor to the start): leaders read "
         f"{[int(s['quorum_tokens_read']) for s in read]} tokens for {[int(s['quorum_rows']) * size for s in read]} "
         f"tokens of rows delivered; {1e3 * per_step:.1f} ms per step"
     )

@@ -95,14 +95,16 @@ def test_starts_refuse_what_no_order_has():
     seq_len=st.integers(1, 12),
     shuffle=st.booleans(),
     cuts=st.lists(st.integers(1, 6), min_size=1, max_size=8),
+    given_lengths=st.booleans(),
 )
-def test_any_ranges_of_rows_are_the_rows_of_one_packer(lengths, seq_len, shuffle, cuts):
+def test_any_ranges_of_rows_are_the_rows_of_one_packer(lengths, seq_len, shuffle, cuts, given_lengths):
     """Rows read as consecutive ranges of any sizes, by one reader, are the rows one Packer cuts
-    from the whole order (passes wrap around), batched with every boundary as the packer's are."""
+    from the whole order (passes wrap around), batched with every boundary as the packer's are;
+    the same when the documents' lengths are given."""
     docs = documents(lengths)
     order = GlobalOrder(len(docs), seed=1, shuffle=shuffle)
     packing = Packing(seq_len, boundaries=BOUNDARIES)
-    reader = RowPositions(packing, TokenColumn(), None).reader(docs, order)
+    reader = RowPositions(packing, document_lengths=lengths if given_lengths else None).reader(docs, order)
     reference = packed(docs, order, seq_len, sum(cuts))
     lo = 0
     for size in cuts:
@@ -122,11 +124,24 @@ def test_a_leader_reads_about_the_window_it_packs():
     lengths = [7, 3, 12, 5, 9, 1, 4, 8, 6, 10] * 5
     docs = documents(lengths)
     order = GlobalOrder(len(docs), shuffle=False)
-    reader = RowPositions(Packing(7), TokenColumn(), None).reader(docs, order)
+    reader = RowPositions(Packing(7)).reader(docs, order)
     reader.read(4, 6)  # tokens 32..47: documents 0 to 7 read, 0-5 for their lengths only
     assert reader.stats()["quorum_documents_read"] == 8
     reader.read(6, 7)  # tokens 48..55: it begins in document 7, the last read (kept), then 8 and 9
     assert reader.stats()["quorum_documents_read"] == 10
+    # with the lengths given, only the documents of its rows: 4 to 7 for tokens 32..47
+    reader = RowPositions(Packing(7), document_lengths=np.array(lengths)).reader(docs, order)
+    reader.read(4, 6)
+    assert reader.stats()["quorum_documents_read"] == 4
+
+
+def test_given_lengths_are_checked_against_the_documents():
+    docs = documents([3, 5, 2])
+    with pytest.raises(ValueError, match="2 lengths for a dataset of 3"):
+        RowPositions(Packing(3), document_lengths=[3, 5]).reader(docs, GlobalOrder(3))
+    reader = RowPositions(Packing(3), document_lengths=[3, 4, 2]).reader(docs, GlobalOrder(3, shuffle=False))
+    with pytest.raises(ValueError, match=r"document_lengths\[1\] is 4 but sample 1 holds 5"):
+        reader.read(0, 2)
 
 
 @PROPS
@@ -141,17 +156,20 @@ def test_committed_steps_train_every_token_once(seed, global_batch, seq_len, dp_
     """A random history of three groups, each replica's leader with its own reader: each attempt
     has a quorum of some of the groups and commits or not; a group behind the committed cursor
     heals from a peer's state (leader r from leader r, as torchft does), and sometimes a group
-    is restarted (new leaders, nothing read yet). Over the committed steps the rows trained are
+    is restarted (new leaders, nothing read yet); some groups know the documents' lengths, some
+    read them. Over the committed steps the rows trained are
     the order's rows in sequence: every token of every document once per pass."""
     rng = random.Random(seed)
     lengths = [rng.choice([0, 1, 2, 5, 9, 17, 30]) for _ in range(60)]
-    docs = documents(lengths if sum(lengths) else [1])
+    lengths = lengths if sum(lengths) else [1]
+    docs = documents(lengths)
     order = GlobalOrder(len(docs), seed=seed)
     packing = Packing(seq_len)
 
     class Group:
         def __init__(self) -> None:
-            self.leaders = [RowPositions(packing, TokenColumn(), None) for _ in range(dp_size)]
+            given = lengths if rng.random() < 0.5 else None  # some groups are given the lengths
+            self.leaders = [RowPositions(packing, document_lengths=given) for _ in range(dp_size)]
             self.readers = [leader.reader(docs, order) for leader in self.leaders]
             self.cursor = 0
 
@@ -190,7 +208,7 @@ def test_committed_steps_train_every_token_once(seed, global_batch, seq_len, dp_
 
 
 def test_row_states_are_checked():
-    rows = RowPositions(Packing(4), TokenColumn(), None)
+    rows = RowPositions(Packing(4))
     rows.load({"positions": "rows", "seq_len": 4, "anchor": [3, 12]}, cursor=4)
     assert rows.state() == {"positions": "rows", "seq_len": 4, "anchor": [3, 12]}
     with pytest.raises(ValueError, match="seq_len=8"):
@@ -200,7 +218,7 @@ def test_row_states_are_checked():
     with pytest.raises(ValueError, match="after its cursor"):
         rows.load({"positions": "rows", "seq_len": 4, "anchor": [3, 30]}, cursor=4)
     with pytest.raises(ValueError, match="over rows"):
-        SamplePositions(list, None).load({"positions": "rows", "seq_len": 4, "anchor": [0, 0]}, cursor=0)
+        SamplePositions(list).load({"positions": "rows", "seq_len": 4, "anchor": [0, 0]}, cursor=0)
 
 
 def test_packing_options_that_do_not_apply_are_refused():
@@ -208,15 +226,17 @@ def test_packing_options_that_do_not_apply_are_refused():
         (Packing(4, at_end="drop"), "never ends"),
     ]:
         with pytest.raises(ValueError, match=error):
-            RowPositions(packing, TokenColumn(), None)
+            RowPositions(packing)
     with pytest.raises(ValueError, match="collate"):
-        RowPositions(Packing(4), TokenColumn(), list)
+        RowPositions(Packing(4), collate=list)
     with pytest.raises(ValueError, match="layout"):
-        SamplePositions(list, TokenColumn())
+        SamplePositions(list, layout=TokenColumn())
+    with pytest.raises(ValueError, match="document_lengths"):
+        SamplePositions(list, document_lengths=[3])
     assert QuorumData.global_samples.__doc__ is not None
 
 
 def test_a_dataset_of_empty_documents_is_refused_not_read_for_ever():
-    reader = RowPositions(Packing(4), TokenColumn(), None).reader(documents([0, 0, 0]), GlobalOrder(3))
+    reader = RowPositions(Packing(4)).reader(documents([0, 0, 0]), GlobalOrder(3))
     with pytest.raises(ValueError, match="every document"):
         reader.read(0, 1)
