@@ -20,6 +20,10 @@ groups there are. A step trains positions ``[cursor, cursor + global_batch)``:
 So the global batch is the same at every step whatever the quorum: fewer participants means
 more micro-batches each. The cursor moves by ``global_batch`` only when the step commits.
 
+A position may also be a **packed row**: row ``r`` is tokens ``[r * (seq_len + 1), (r + 1) *
+(seq_len + 1))`` of the documents of the global order concatenated, so the same arithmetic
+splits rows; :class:`DocumentStarts` finds which documents hold a row's tokens.
+
 >>> participant_range(cursor=8, global_batch=10, participant=1, participants=3)
 (12, 15)
 >>> replica_range(12, 15, dp_rank=0, dp_size=2), replica_range(12, 15, dp_rank=1, dp_size=2)
