@@ -291,9 +291,10 @@ def test_a_blend_per_split_is_the_builders(corpus):
     want = BlendedMegatronDatasetBuilder(GPTDataset, list(SIZES), lambda: True, per_split).build()
     for name, expected in zip(SPLITS[:2], want, strict=False):
         got = gpt_dataset(per_split, SIZES[SPLITS.index(name)], name)
-        assert len(got) == len(expected) and all(
-            torch.equal(got[i][k], expected[i][k]) for i in range(len(expected)) for k in FIELDS
-        ), name
+        assert len(got) == len(expected), name
+        for i in range(len(expected)):
+            g, w = got[i], expected[i]
+            assert all(torch.equal(g[k], w[k]) for k in FIELDS), (name, i)
     assert want[2] is None
     with pytest.raises(ValueError, match="blend_per_split has no blend for the test split"):
         gpt_dataset(per_split, SIZES[2], "test")
