@@ -70,7 +70,7 @@ def gpt_dataset(config: Any, num_samples: int | None = None, split: str = "train
                                   split="969,30,1", reset_position_ids=False, reset_attention_mask=False,
                                   eod_mask_loss=False)
         train = gpt_dataset(config, train_iters * global_batch_size)
-        valid = gpt_dataset(config, eval_iters * (train_iters // eval_interval + 1) * global_batch_size, "valid")
+        valid = gpt_dataset(config, valid_samples, "valid")  # the size Megatron-LM gives the builder for it
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: give one of {', '.join(map(repr, SPLITS))}")
@@ -122,9 +122,10 @@ def _gpt_split(prefix: str, documents: tuple[float, float], num_samples: int | N
     count = GPTDataset.numel_low_level_dataset(indexed)
     begin, end = (int(round(fraction * float(count))) for fraction in documents)
     if begin >= end:
+        cut = f"config.split {config.split!r}" if config.blend is not None else "config.blend_per_split"
         raise ValueError(
-            f"config.split {config.split!r} gives the {split} split documents [{begin}, {end}) of the {count} "
-            f"of {prefix}: none; ask for another split, or give it a larger share"
+            f"{cut} gives the {split} split documents [{begin}, {end}) of the {count} of {prefix}: none; "
+            "ask for another split, or give it a larger share"
         )
     indices = np.arange(begin, end, dtype=np.int32)
     return GPTDataset(indexed, prefix, indices, num_samples, Split[split], config)

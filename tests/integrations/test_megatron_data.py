@@ -1,13 +1,22 @@
 """Megatron's indexed datasets (``.bin``/``.idx`` written here by megatron-core's
-``IndexedDatasetBuilder``) read on the leaders only, through real megatron-core: on a 4-rank gloo
-world (default: dp=2 x tp=2, pp=1, one prefix) every rank trains, micro-batch for micro-batch, what
-Megatron's own data path gives its data-parallel rank (``BlendedMegatronDatasetBuilder``'s dataset
-in this process, in Megatron-LM's pretraining-sampler order), while only the two leaders open the
-files (every ``open`` of a file under the data directory counted per rank with an audit hook); a
-resume from the loader's state is exact, and on another data-parallel size (elastic) continues at
-the same sample. The slow variant: a weighted blend of two prefixes on pp=2 x dp=2 (one leader on
-each end of the pipeline), resumed elastically on dp=4 (after the default test, in its world: 8 s more, most of it
-    ranks 1 and 3 importing megatron-core)."""
+``IndexedDatasetBuilder``) read on the leaders only, through real megatron-core (0.16 on Python
+3.11, 0.19 in .ci/megatron_lane).
+
+In one process: ``gpt_dataset``'s train, validation and test splits equal, sample for sample,
+what ``BlendedMegatronDatasetBuilder`` builds from the same config, for the splits ``969,30,1``,
+``90,10,0`` and ``100,0,0`` (one prefix, two blended by their lengths, two by weights) and a
+``blend_per_split``; a split the builder leaves out or gives no documents is refused, naming it.
+
+On a 4-rank gloo world (default: dp=2 x tp=2, pp=1, one prefix, split ``969,30,1``) every rank
+trains, micro-batch for micro-batch, what Megatron's own data path gives its data-parallel rank
+(the builder's train split in this process, in Megatron-LM's pretraining-sampler order), its loss
+masks hiding exactly the ends of documents (the tokenizer's ``eod``, which megatron-core 0.18
+moved), while only the two leaders open the files (every ``open`` of a file under the data
+directory counted per rank with an audit hook); a resume from the loader's state is exact, and on
+another data-parallel size (elastic) continues at the same sample. The slow variant: a weighted
+blend of two prefixes (split ``90,10,0``) on pp=2 x dp=2 (one leader on each end of the pipeline),
+resumed elastically on dp=4 (after the default test, in its world: 8 s more, most of it ranks 1
+and 3 importing megatron-core)."""
 
 from __future__ import annotations
 
@@ -248,6 +257,33 @@ def test_a_blend_on_both_pipeline_ends_as_megatron_blends_it(worlds, corpus):
 
 # --- each split, one process: collective_loader's build against the builder's -----------------
 
+SAMPLES_READ = 64  # per dataset compared: its indices are compared whole, these samples read
+
+
+def same_dataset(got, want, eod: int, where: str) -> int:
+    """Assert that ``got`` is the builder's ``want``: the same class, documents and indices (a
+    GPTDataset's document, sample and shuffle indices, a BlendedDataset's dataset and sample
+    indices and each of its datasets), and, read through ``__getitem__``, the same samples (every
+    one, or SAMPLES_READ spread over a long dataset), whose loss masks hide exactly the ends of
+    documents. The number of ends of documents among them."""
+    assert type(got) is type(want) and len(got) == len(want), (where, type(got), len(got), len(want))
+    if hasattr(want, "datasets"):  # a BlendedDataset
+        assert np.array_equal(got.dataset_index, want.dataset_index), where
+        assert np.array_equal(got.dataset_sample_index, want.dataset_sample_index), where
+        for i, (g, w) in enumerate(zip(got.datasets, want.datasets, strict=True)):
+            same_dataset(g, w, eod, f"{where}, dataset {i}")
+    else:
+        assert got.dataset_path == want.dataset_path and np.array_equal(got.indices, want.indices), where
+        for index in ("document_index", "sample_index", "shuffle_index"):
+            assert np.array_equal(getattr(got, index), getattr(want, index)), (where, index)
+    ends = 0
+    for i in range(0, len(want), max(1, len(want) // SAMPLES_READ)):
+        g, w = got[i], want[i]
+        assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in FIELDS), (where, i)
+        ends += masks_exactly_the_ends_of_documents(g, eod)
+    return ends
+
+
 BLENDS = {"one prefix": 1, "two by their lengths": 2, "two by weights 0.3 / 0.7": (0.3, 0.7)}
 
 
@@ -255,9 +291,9 @@ BLENDS = {"one prefix": 1, "two by their lengths": 2, "two by weights 0.3 / 0.7"
 @pytest.mark.parametrize("split", ["969,30,1", "90,10,0", "100,0,0"])
 @pytest.mark.parametrize("blend", BLENDS)
 def test_each_split_is_the_builders_or_refused(corpus, blend, split):
-    """train, valid and test of ``split``: every sample equals the builder's, and the loss masks
-    hide exactly the ends of documents; a split the builder leaves out (None) or gives no
-    documents is refused, naming it."""
+    """train, valid and test of ``split`` are the builder's (its documents, indices and samples),
+    and the loss masks hide exactly the ends of documents; a split the builder leaves out (None)
+    or gives no documents is refused, naming it."""
     kind = BLENDS[blend]
     data = Data(corpus[:2] if kind != 1 else corpus[:1], kind if isinstance(kind, tuple) else None, split)
     eod, ends = tokenizer().eod, 0
@@ -266,12 +302,7 @@ def test_each_split_is_the_builders_or_refused(corpus, blend, split):
             with pytest.raises(ValueError, match=f"gives the {name} split"):
                 leader_dataset(data, name)
             continue
-        got = leader_dataset(data, name)
-        assert len(got) == len(want), (name, len(got), len(want))
-        for i in range(len(want)):
-            g, w = got[i], want[i]
-            assert all(torch.equal(g[k], w[k]) for k in FIELDS), (name, i)
-            ends += masks_exactly_the_ends_of_documents(g, eod)
+        ends += same_dataset(leader_dataset(data, name), want, eod, name)
     assert ends > 0
 
 
@@ -290,11 +321,7 @@ def test_a_blend_per_split_is_the_builders(corpus):
     )
     want = BlendedMegatronDatasetBuilder(GPTDataset, list(SIZES), lambda: True, per_split).build()
     for name, expected in zip(SPLITS[:2], want, strict=False):
-        got = gpt_dataset(per_split, SIZES[SPLITS.index(name)], name)
-        assert len(got) == len(expected), name
-        for i in range(len(expected)):
-            g, w = got[i], expected[i]
-            assert all(torch.equal(g[k], w[k]) for k in FIELDS), (name, i)
+        same_dataset(gpt_dataset(per_split, SIZES[SPLITS.index(name)], name), expected, tokenizer().eod, name)
     assert want[2] is None
     with pytest.raises(ValueError, match="blend_per_split has no blend for the test split"):
         gpt_dataset(per_split, SIZES[2], "test")
