@@ -210,13 +210,16 @@ class QuorumData:
     def state_dict(self) -> dict[str, Any]:
         """The data state (the committed cursor and what fixes the order): what the manager sends a
         healing group, and what a checkpoint saves beside ``manager.state_dict()``."""
+        # the positions' part first: end_step moves the cursor before the anchor, so an anchor
+        # read before the cursor is never after it, whichever thread asks when
+        positions = self.positions.state()
         return {
             "format": _FORMAT,
             "cursor": self.cursor,
             "global_batch": self.global_batch,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            **self.positions.state(),
+            **positions,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
