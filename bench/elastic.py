@@ -4,6 +4,7 @@ own ``DistributedSampler``, side by side; and the per-step cost of the quorum-aw
 
     python bench/elastic.py           # bench/results/elastic.{json,md}
     python bench/elastic.py --quick   # one kill and restart per mode, one cost round: elastic_quick.* (git-ignored)
+    python bench/elastic.py --report  # elastic.md again from elastic.json (the wording only; no run)
 
 (Run times: bench/README.md.)
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import random
 import shutil
@@ -59,6 +61,7 @@ GLOBAL_BATCH, MICRO_BATCH, SAMPLES = 12, 3, 24000  # 24,000 divides by every sha
 STARTUP = 300.0  # seconds for groups to start and commit on 2 loaded cores
 WAIT = 180.0  # seconds for anything else the job must do
 PACE = 0.05  # seconds each group sleeps per step (kills land mid-run)
+TITLE = "Live elasticity under torchft: QuorumData against torchft's DistributedSampler"
 TIMEOUT = 60  # seconds for torchft's process group and operations (ELASTIC_TIMEOUT)
 
 
@@ -114,7 +117,7 @@ def restart(job: ft_job.FtJob, s: Scenario) -> dict[str, Any]:
 
 
 def leave(job: ft_job.FtJob, s: Scenario) -> dict[str, Any]:
-    """g0 and g1 start; g1 stops at a seeded point and is SIGKILLed for good; g0 goes on alone."""
+    """g0 and g1 start; g1 stops at a seeded point and is SIGKILLed for good; g0 goes on alone (10 steps)."""
     stop_at = kill_point(s.seed)
     job.start("g0", start_with=2)
     job.start("g1", stop_at, start_with=2)
@@ -122,7 +125,7 @@ def leave(job: ft_job.FtJob, s: Scenario) -> dict[str, Any]:
     job.kill("g1")
     killed = time.time()
     before = job.committed_steps("g0")
-    job.wait_for(job.committed("g0", before + 5), WAIT, "g0 to go on alone")
+    job.wait_for(job.committed("g0", before + 10), WAIT, "g0 to go on alone")
     job.finish(extra_steps=2, timeout=WAIT)
     return {"kill_at": stop_at, "killed": {"g1": killed}}
 
@@ -191,13 +194,29 @@ def cost(quick: bool, tmp: str) -> dict[str, Any]:
     return {"settings": dataclasses.asdict(s) | {"out": None}, "ranks": harness.kept(s.out)}
 
 
+def report_again(run: harness.Run) -> int:
+    """``elastic.md`` from ``elastic.json`` as its run left it (its header, every figure), the
+    markdown's wording as this script has it now, and a line saying so."""
+    with open(os.path.join(harness.RESULTS, "elastic.json")) as f:
+        results = json.load(f)
+    note = (
+        f"(This page was written again from `bench/results/elastic.json` by `python bench/elastic.py --report` on "
+        f"{time.strftime('%Y-%m-%d %H:%M')}: the figures and the header are those of the run it names.)"
+    )
+    run.write("elastic", TITLE, results, [note, "", *elastic_report.markdown(results)])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one kill and restart per mode, one cost round")
     parser.add_argument("--only", help="run the scenarios whose name contains this (no cost world)")
     parser.add_argument("--keep", metavar="DIR", help="keep each job's logs and output under DIR")
+    parser.add_argument("--report", action="store_true", help="write elastic.md again from elastic.json (no run)")
     args = parser.parse_args(argv)
     run = harness.Run("elastic.py", argv)
+    if args.report:
+        return report_again(run)
     ft_job.WORKER = Path(__file__).with_name("elastic_group.py")  # FtJob.start runs this group script
     os.environ["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), harness.REPO, os.environ.get("PYTHONPATH", "")])
     os.environ["FT_SLEEP"] = str(PACE)
@@ -222,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     results = {"meta": run.meta(settings=settings, loads=loads), "runs": runs, "cost": costs}
     name = "elastic_quick" if args.quick or args.only else "elastic"
-    title = "Live elasticity under torchft: QuorumData against torchft's DistributedSampler"
-    run.write(name, title, results, elastic_report.markdown(results))
+    run.write(name, TITLE, results, elastic_report.markdown(results))
     return 1 if any("failed" in r or r.get("check", "passed") != "passed" for r in runs) else 0
 
 

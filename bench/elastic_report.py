@@ -76,7 +76,7 @@ def cost_summary(cost: dict[str, Any]) -> list[dict[str, Any]]:
                 plain = [r[f"{loop}/plain"] for r in rounds]
                 out.append(
                     {
-                        "payload": p["payload"],
+                        "payload": f"{p['payload']}: {nbytes(p['step_bytes'])} a step",
                         "micro_batches": p["micro_batches"],
                         "loop": loop,
                         "role": role,
@@ -100,9 +100,9 @@ def totals(runs: list[dict[str, Any]], loader: str) -> dict[str, int]:
     }
 
 
-def by_mode(runs: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-    """torchft's sampler's runs of one quorum mode that got through."""
-    return [r for r in runs if r["loader"] == "torchft" and r["mode"] == mode and "failed" not in r]
+def by_mode(runs: list[dict[str, Any]], mode: str, kind: str) -> list[dict[str, Any]]:
+    """torchft's sampler's runs of one quorum mode and scenario kind that got through."""
+    return [r for r in runs if (r["loader"], r["mode"], r["kind"]) == ("torchft", mode, kind) and "failed" not in r]
 
 
 def span(runs: list[dict[str, Any]], key: str) -> str:
@@ -110,7 +110,12 @@ def span(runs: list[dict[str, Any]], key: str) -> str:
     if not runs:
         return "-"
     low, high = min(r[key] for r in runs), max(r[key] for r in runs)
-    return f"{low:,}" if low == high else f"{low:,}-{high:,}"
+    text = "{:,.1f}" if isinstance(low, float) else "{:,}"
+    return text.format(low) if low == high else f"{text.format(low)}-{text.format(high)}"
+
+
+def nbytes(n: int) -> str:
+    return f"{n} B" if n < harness.KIB else harness.size(n)
 
 
 def markdown(results: dict[str, Any]) -> list[str]:
@@ -247,11 +252,11 @@ def for_the_docs(results: dict[str, Any]) -> list[str]:
         + ". Its losses are structural: a step that does not commit drops the batches its groups drew, a "
         "group that is down leaves its shard unread, and a group that heals takes a peer's position in its own "
         "shard, skipping what it missed; the repeats: "
-        f"{span(by_mode(runs, 'sync'), 'repeated')} per run in the synchronous quorum, "
-        f"{span(by_mode(runs, 'async'), 'repeated')} in the asynchronous one (a restarted group in the synchronous "
-        "quorum trains the batch its fresh loader drew before `start_quorum()` healed it). The losses grow with "
-        "the steps a group is away: a restart here took "
-        f"{span([h for hs in heals.values() for h in hs], 'job_steps')} of the job's steps "
+        f"{span(by_mode(runs, 'sync', 'restart'), 'repeated')} per restart in the synchronous quorum, "
+        f"{span(by_mode(runs, 'async', 'restart'), 'repeated')} in the asynchronous one (a restarted group in the "
+        "synchronous quorum trains the batch its fresh loader drew before `start_quorum()` healed it). The losses "
+        "grow with the steps a group is away: a restarted or new group here trained "
+        f"{span([h for hs in heals.values() for h in hs], 'job_steps')} of the job's steps after its release "
         f"({span([h for hs in heals.values() for h in hs], 'setup_s')} s of set-up on 2 shared cores).",
         "- **Healing**, in the group's own steps from its first quorum to its first trained step (1: it trains "
         f"in the step it joins): synchronous quorum {healed('sync', 'own_steps')}; asynchronous "
