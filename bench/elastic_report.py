@@ -244,7 +244,7 @@ def for_the_docs(results: dict[str, Any]) -> list[str]:
         f"({ours['off_batch']} runs where it varied); the tests' full check (every step exactly its window, final "
         f"weights those of one plain process) passed on {checks} of {ours['runs']}.",
         f"- **torchft's sampler**: {theirs['lost']:,} samples lost and {theirs['repeated']} repeated over "
-        f"{theirs['runs']} runs; the global batch shrinks while a group is down ({theirs['off_batch']} of "
+        f"{theirs['runs']} runs; the global batch shrinks while a group of the job is missing ({theirs['off_batch']} of "
         f"{theirs['runs']} runs). By scenario, per run: "
         + "; ".join(
             f"{kinds[kind]}, {span(v, 'lost')} lost and {span(v, 'repeated')} repeated" for kind, v in by_kind.items()
@@ -255,8 +255,8 @@ def for_the_docs(results: dict[str, Any]) -> list[str]:
         f"{span(by_mode(runs, 'sync', 'restart'), 'repeated')} per restart in the synchronous quorum, "
         f"{span(by_mode(runs, 'async', 'restart'), 'repeated')} in the asynchronous one (a restarted group in the "
         "synchronous quorum trains the batch its fresh loader drew before `start_quorum()` healed it). The losses "
-        "grow with the steps a group is away: a restarted or new group here trained "
-        f"{span([h for hs in heals.values() for h in hs], 'job_steps')} of the job's steps after its release "
+        "grow with the steps a group is away: a restarted or new group's first trained step here came "
+        f"{span([h for hs in heals.values() for h in hs], 'job_steps')} committed steps after its release "
         f"({span([h for hs in heals.values() for h in hs], 'setup_s')} s of set-up on 2 shared cores).",
         "- **Healing**, in the group's own steps from its first quorum to its first trained step (1: it trains "
         f"in the step it joins): synchronous quorum {healed('sync', 'own_steps')}; asynchronous "
