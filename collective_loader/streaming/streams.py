@@ -210,10 +210,17 @@ class PackedStream:
 
     def snapshot_at(self, cursor: Cursor) -> dict[str, Any]:
         """The snapshot :meth:`state_dict` gave when the packer was at ``cursor`` in this epoch:
-        for rows taken from the stream but not trained yet."""
+        for rows taken from the stream but not trained yet.
+
+        It holds this epoch's log and resumed hand-over themselves: :meth:`checkpoint_state` reads
+        them on the training thread, and by then the transfer thread may have begun the stream's
+        next epoch (a mixture's ``"repeat"`` source does, within the loader's epoch), which puts
+        new ones in their place.
+        """
         state = dict(self.data.epoch_state())
         state["sample_in_epoch"] = cursor.step * self.data.global_batch  # this leader's own: the lowest is saved
-        packed = {"cursor": [cursor.step, cursor.index, cursor.offset], "iteration": self.rows.iteration}
+        at = [cursor.step, cursor.index, cursor.offset]
+        packed = {"cursor": at, "log": self.rows.log, "resumed": self.rows.resumed}
         return {**state, "global_batch": self.data.global_batch, "packing": packed}
 
     def checkpoint_state(self, snapshot: Any) -> Any:
@@ -223,19 +230,20 @@ class PackedStream:
         hand-over of the documents trained at steps ``>= D``. Collective over the leaders. A
         state that is no snapshot (``None``: nothing consumed yet; the state a resumed epoch
         started from, before its first step) is saved as it is.
+
+        The hand-over is of the snapshot's epoch, from its own log, even if the stream is in a
+        later one now (a ``"repeat"`` source of a mixture that began anew after the snapshot).
         """
         if snapshot is None or "cursor" not in snapshot["packing"]:
             return snapshot
-        rows = self.rows
-        if snapshot["packing"]["iteration"] != rows.iteration:
-            raise RuntimeError("the packing state is of an earlier epoch than the one this leader is in")
-        cursor = Cursor(*snapshot["packing"]["cursor"])
+        rows, packed = self.rows, snapshot["packing"]
+        log, cursor = packed["log"], Cursor(*packed["cursor"])
         first = min(self.data.leaders.gather(cursor.step))
-        passed, matched = rows.log.hand_over(rows.dp_rank, cursor, first)
+        passed, matched = log.hand_over(rows.dp_rank, cursor, first)
         heard = self.data.leaders.gather({"passed": torch.from_numpy(passed), "matched": torch.from_numpy(matched)})
         parts = [(part["passed"].numpy(), part["matched"].numpy()) for part in heard]
-        entries = combine(parts, rows.resumed, first)
-        rows.log.prune(first)
+        entries = combine(parts, packed["resumed"], first)
+        log.prune(first)
         out = {k: v for k, v in snapshot.items() if k != "packing"}
         out["sample_in_epoch"] = first * self.data.global_batch
         out["packing"] = {"world": list(rows.world), "entries": torch.from_numpy(entries)}

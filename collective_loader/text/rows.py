@@ -41,7 +41,6 @@ class PackedRows:
 
     def __init__(self, packing: Packing, batch_rows: int, dp_rank: int, world: tuple[int, int]) -> None:
         self.packing, self.batch_rows, self.dp_rank, self.world = packing, batch_rows, dp_rank, world
-        self.iteration = 0  # epochs started
         self.stats: dict[str, int] = {}
         self.log = Log()
         self.resumed = empty()  # the hand-over this epoch resumed with
@@ -74,10 +73,10 @@ class PackedRows:
 
     def row_lists(self, batches: Iterator[TokenizedBatch], first_step: Callable[[], int]) -> Iterator[list[Row]]:
         """:meth:`rows` before they become tensors: each step's rows (at most ``batch_rows``)."""
-        self.iteration += 1
         skips, self._skips = self._skips, None
         if skips is None:
             self.resumed = empty()
+        # a new log (and resumed table), not the old one cleared: a snapshot of the last epoch keeps that one's
         self.log, self._packer, self._after = Log(), Packer(self.packing.seq_len), (0, 0)
         self.stats = dict.fromkeys(("documents", "rows", "tokens", "carried", "padding", "dropped"), 0)
         rows: list[Row] = []
