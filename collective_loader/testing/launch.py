@@ -1,4 +1,4 @@
-"""Start a local gloo world of spawned processes, or run on this rank under torchrun.
+"""Start a local gloo world of processes, or run on this rank under torchrun.
 
 The one way this project starts a local world: ``spawn_ranks`` starts the processes,
 ``init_rank`` makes each one a rank, ``kill_ranks`` ends them. ``run`` (the demo and the
@@ -16,15 +16,20 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-# Spawn, not fork: a forked child inherits the parent's torch threads and locks. Queues shared
-# with the ranks must come from this context too.
-SPAWN = mp.get_context("spawn")
+# A fork server, not fork: a child forked from this process would inherit its torch threads and
+# locks. Not spawn either: each rank would import torch again (3-4 s of CPU per rank, most of a
+# small test's cost), and streaming on top (5 more: it imports transformers) where it reads data.
+# The server imports them once and runs nothing; each rank is forked from it. Queues shared with
+# the ranks must come from this context too.
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "collective_loader", "streaming"])
 
 
 def under_torchrun() -> bool:
@@ -51,7 +56,7 @@ def init_rank(rank: int, size: int, init_file: str, backend: str = "gloo") -> No
 
 
 def spawn_ranks(target: Callable[..., None], size: int, *args: Any) -> tuple[list[BaseProcess], str]:
-    """Start ``target(rank, size, init_file, *args)`` in ``size`` spawned processes.
+    """Start ``target(rank, size, init_file, *args)`` in ``size`` processes of the fork server.
 
     Returns the processes and the temp dir holding ``init_file``; give both to ``kill_ranks``.
     ``target`` calls ``init_rank(rank, size, init_file)``. The processes are not daemons: a
@@ -60,15 +65,35 @@ def spawn_ranks(target: Callable[..., None], size: int, *args: Any) -> tuple[lis
     tmp = tempfile.mkdtemp(prefix="collective_loader_")
     init_file = os.path.join(tmp, "init")
     procs: list[BaseProcess] = []
+    parent = _Parent(dict(os.environ), os.getcwd(), list(sys.path))
     try:
         for rank in range(size):
-            p = SPAWN.Process(target=target, args=(rank, size, init_file, *args), daemon=False)
+            p = CONTEXT.Process(target=_start, args=(parent, target, rank, size, init_file, *args), daemon=False)
             p.start()
             procs.append(p)
     except BaseException:
         kill_ranks(procs, tmp)  # the started ones would wait for the others forever
         raise
     return procs, tmp
+
+
+@dataclass(frozen=True)
+class _Parent:
+    """What a spawned child would take from its parent at start, and a child of the fork server
+    takes from the server instead (its state when it started): the environment (a test's
+    ``setenv``, the endpoint of a fixture), the working directory and ``sys.path``."""
+
+    environ: dict[str, str]
+    cwd: str
+    path: list[str]
+
+
+def _start(parent: _Parent, target: Callable[..., None], *args: Any) -> None:
+    os.environ.clear()
+    os.environ.update(parent.environ)
+    os.chdir(parent.cwd)
+    sys.path[:] = parent.path
+    target(*args)
 
 
 def kill_ranks(procs: list[BaseProcess], tmp: str) -> None:

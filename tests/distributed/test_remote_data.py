@@ -268,7 +268,7 @@ def test_endpoint_gone_mid_epoch_fails_everywhere_and_resume_continues_exactly(w
     full = world.run(epochs, env, remote, str(tmp_path / "reference"), *ONE_REPLICA, 1, timeout=120)
     full_ids = [_ids(b) if "sample_id" in b else None for b in full[0]["epochs"][0]]
 
-    manager = launch.SPAWN.Manager()  # its events reach the ranks (through the world's task queues)
+    manager = launch.CONTEXT.Manager()  # its events reach the ranks (through the world's task queues)
     asked, done = manager.Event(), manager.Event()
 
     def stop_when_asked() -> None:

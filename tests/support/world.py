@@ -1,4 +1,4 @@
-"""A gloo world of spawned processes, started once and reused to run many functions.
+"""A gloo world of processes (launch.spawn_ranks), started once and reused to run many functions.
 
 Every call has a deadline; on a miss the whole world is killed (no process outlives a test) and
 the next call starts a fresh one. Functions and their results must be picklable, so the
@@ -45,8 +45,8 @@ class World:
         self._procs: list[BaseProcess] = []
 
     def _start(self) -> None:
-        self._tasks = [launch.SPAWN.Queue() for _ in range(self.size)]
-        self._results = launch.SPAWN.Queue()
+        self._tasks = [launch.CONTEXT.Queue() for _ in range(self.size)]
+        self._results = launch.CONTEXT.Queue()
         self._procs, self._tmp = launch.spawn_ranks(_worker, self.size, self._tasks, self._results)
         # starting many ranks on two cores takes a while: that is not the tested function's time
         deadline = time.monotonic() + STARTUP_TIMEOUT
