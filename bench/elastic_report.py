@@ -207,7 +207,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
 
 
 def for_the_docs(results: dict[str, Any]) -> list[str]:
-    """A section for docs/torchft.md (fault tolerance), its figures from these results."""
+    """A section for docs/fault-tolerance.md (fault tolerance), its figures from these results."""
     runs, meta = results["runs"], results["meta"]
     ours, theirs = totals(runs, "ours"), totals(runs, "torchft")
     checks = sum(r.get("check") == "passed" for r in runs if r["loader"] == "ours")

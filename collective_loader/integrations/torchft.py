@@ -12,7 +12,7 @@ share of the window ``[cursor, cursor + global_batch)``, and has the replica's l
 positions and deliver them as micro-batches with a :class:`~collective_loader.CollectiveLoader`
 over the group's own ``DeviceMesh``. The cursor moves only when the step commits, so a step that
 does not commit is served again to the next quorum, re-divided over whoever is there. See
-docs/torchft.md.
+docs/fault-tolerance.md.
 
 The training loop, on every rank of a replica group::
 
