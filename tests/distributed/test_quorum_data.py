@@ -22,8 +22,9 @@ import torch.distributed as dist
 from ranks import make_mesh
 
 from collective_loader import LeaderError
-from collective_loader.integrations.torchft import LeaderStreamingDataset, QuorumData
+from collective_loader.integrations.torchft import QuorumData
 from collective_loader.plan.quorum import GlobalOrder, participant_range
+from collective_loader.streaming import LeaderStreamingDataset
 from collective_loader.testing.data import numbered_documents, tokens, write_dataset, write_token_documents
 from collective_loader.text import Packing, TokenColumn
 

@@ -36,7 +36,8 @@ from torch.distributed import ReduceOp
 from torch.distributed.device_mesh import init_device_mesh
 from torchft import Manager, ProcessGroupGloo
 
-from collective_loader.integrations.torchft import LeaderStreamingDataset, QuorumData
+from collective_loader.integrations.torchft import QuorumData
+from collective_loader.streaming import LeaderStreamingDataset
 from collective_loader.text import Packing, TokenColumn
 
 D = 4  # features

@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collective_loader.integrations.torchft import QuorumData, RowPositions, SamplePositions
+from collective_loader.integrations.quorum_positions import RowPositions, SamplePositions
+from collective_loader.integrations.torchft import QuorumData
 from collective_loader.plan.quorum import DocumentStarts, GlobalOrder, step_share
 from collective_loader.text.layouts import TokenColumn
 from collective_loader.text.packing import BOUNDARIES, Packer, Packing, Row, batch_of
