@@ -2,8 +2,9 @@
 
 * Every ```python block is a complete program whose first line says how to run it:
   ``# run: python`` (one process) or ``# run: torchrun N`` (a local world of N gloo ranks, as
-  ``python -m torch.distributed.run --standalone --nproc-per-node N``). It must exit 0. A block
-  without that line fails, naming its file and line.
+  ``torchrun --standalone --nproc-per-node N`` runs it: ``tests/support/forked_ranks.py`` gives each
+  rank torchrun's environment, forked after the imports, which costs a fraction of torchrun's
+  start). It must exit 0. A block without that line fails, naming its file and line.
 * Every ``python -m collective_loader demo ...`` (or ``torchrun --standalone --nproc-per-node N -m
   collective_loader demo ...``) shown in a ```bash block runs to "all checks passed". A demo
   command this test cannot run as shown (another node, a ``--data`` directory, a variable) fails.
@@ -11,7 +12,8 @@
   (``test_demo.RUN_HERE``) are not run twice.
 
 Each program runs in a session of its own with a timeout; on a miss its process group gets
-SIGTERM (torchrun then stops its ranks, which it starts in sessions of their own), then SIGKILL.
+SIGTERM (torchrun then stops its ranks, which it starts in sessions of their own), then SIGKILL
+(the whole tree).
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from collective_loader.cli.args import parse_mesh
 from collective_loader.plan.mesh import MeshLayout
 
 REPO = Path(__file__).resolve().parents[2]
+FORKED_RANKS = REPO / "tests" / "support" / "forked_ranks.py"  # torchrun's workers' environment, imports paid once
 RUN_LINE = re.compile(r"#\s*run:\s*(?:(python)|torchrun\s+(\d+))\s*$")
 DEMO = ("-m", "collective_loader", "demo")
 DEFAULT_MESH = "pp=2,dp=2,tp=2"  # the demo's --mesh default
-BLOCK_TIMEOUT = 240.0  # seconds for one python block (a 4-rank torchrun takes 10-20 s here)
+BLOCK_TIMEOUT = 240.0  # seconds for one python block (4 ranks take 5-20 s here)
 DEMO_TIMEOUT = 420.0  # seconds for one demo run (the default, 8 ranks and 256 samples: ~100 s on 2 loaded cores)
 TERM_GRACE = 60.0  # seconds torchrun gets to stop its ranks after SIGTERM (it waits 30 s for them)
 
@@ -99,7 +102,7 @@ def python_command(block: Block, script: str) -> list[str]:
         )
     if match[1]:
         return [sys.executable, script]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", match[2], script]
+    return [sys.executable, str(FORKED_RANKS), match[2], script]
 
 
 def logical_lines(block: Block) -> list[tuple[int, str]]:
@@ -289,7 +292,7 @@ def test_a_python_block_without_a_run_line_fails_naming_its_file_and_line(tmp_pa
     (tmp_path / "README.md").write_text("# x\n\n```python\n# run: torchrun 4\nprint(1)\n```\n")
     (tmp_path / "docs" / "page.md").write_text("text\n\n```python\nprint(1)\n```\n")
     readme, page = (fenced_blocks(p, tmp_path)[0] for p in documents(tmp_path))
-    assert python_command(readme, "x.py")[-3:] == ["--nproc-per-node", "4", "x.py"]
+    assert python_command(readme, "x.py")[-3:] == [str(FORKED_RANKS), "4", "x.py"]
     with pytest.raises(ValueError, match=r"^docs/page\.md:3: a ```python block must start with"):
         python_command(page, "x.py")
 

@@ -1,4 +1,4 @@
-"""megatron-core 0.16 on CPU ranks (gloo): the stand-ins for its hard-coded CUDA calls, in one place.
+"""megatron-core (0.16 and 0.19) on CPU ranks (gloo): the stand-ins for its hard-coded CUDA calls, in one place.
 
 Megatron-core's pipeline schedules and their point-to-point layer allocate a few tensors on the
 GPU unconditionally, whatever the model's device. On a CPU-only machine those calls raise, so
