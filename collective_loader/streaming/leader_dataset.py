@@ -7,7 +7,6 @@ iterates streaming's order instead. The leaders' world is :class:`StreamingSourc
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,9 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from collective_loader.delivery.leader_group import LeaderGroup
 from collective_loader.plan.mesh import DEFAULT_PLACEMENT, MeshLayout, Placement, StageStyle
-from collective_loader.streaming.cleanup import release
 from collective_loader.streaming.leaders_world import leader_env, leaders_world
-from collective_loader.streaming.streams import CLOSE_WAIT
+from collective_loader.streaming.streams import release_together
 
 # StreamingDataset's arguments that choose its own order: QuorumData reads by index, in its own
 _ORDER_ARGUMENTS = (
@@ -125,10 +123,4 @@ class StreamingByIndex:
         if self.dataset is None:
             return
         dataset, self.dataset = self.dataset, None
-        missing = self.leaders.wait_for_all(CLOSE_WAIT)
-        if missing is not None:
-            warnings.warn(
-                f"not every leader closed its dataset; leaving streaming's files in place: {missing}", stacklevel=3
-            )
-            return
-        release(dataset)
+        release_together(dataset, self.leaders)

@@ -115,13 +115,20 @@ class LeaderDataset:
         self.stop()
         stop_dataloader_workers(self.loader)
         dataset, self.dataset, self.loader = self.dataset, None, None
-        missing = self.leaders.wait_for_all(CLOSE_WAIT)
-        if missing is not None:
-            warnings.warn(
-                f"not every leader closed its dataset; leaving streaming's files in place: {missing}", stacklevel=3
-            )
-            return
-        release(dataset)
+        release_together(dataset, self.leaders)
+
+
+def release_together(dataset: Any, leaders: LeaderGroup) -> None:
+    """Release ``dataset``'s shared memory and lock files once every leader of ``leaders`` is
+    here (they share the node's blocks and locks), waiting at most ``CLOSE_WAIT`` seconds; a
+    leader missing leaves the files in place, with a warning naming it."""
+    missing = leaders.wait_for_all(CLOSE_WAIT)
+    if missing is not None:
+        warnings.warn(
+            f"not every leader closed its dataset; leaving streaming's files in place: {missing}", stacklevel=4
+        )
+        return
+    release(dataset)
 
 
 class SampleStream:
