@@ -74,6 +74,7 @@ def _check_kind(state: Mapping[str, Any], kind: str, settings: Mapping[str, Any]
 class SamplePositions:
     """Positions are samples: a micro-batch is the collate of the samples at its positions.
 
+    >>> from torch.utils.data import default_collate
     >>> reader = SamplePositions(default_collate).reader([{"x": i} for i in range(5)], GlobalOrder(5, shuffle=False))
     >>> reader.read(3, 5), reader.empty()
     ({'x': tensor([3, 4])}, {'x': tensor([], dtype=torch.int64)})
