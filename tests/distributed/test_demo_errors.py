@@ -1,6 +1,9 @@
 """Every flag the demo cannot run with is found on the launching process, before any rank starts:
 one line on stderr naming the flag to give, exit code 2, in seconds. Real data (MDS shards written
-by streaming's MDSWriter), a real tokenizer trained offline; each case runs the command line."""
+by streaming's MDSWriter), a real tokenizer trained offline. Each case goes through the command's
+own entry point (``collective_loader.__main__.main``) in this process, with stdout and stderr read
+at the file descriptors, so a rank that started would show; two cases run the command line itself
+(``python -m collective_loader demo``), which costs a torch import each."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+from collective_loader import __main__ as cli
 from collective_loader.testing.data import (
     BOS,
     EOS,
@@ -53,9 +57,18 @@ def data(tmp_path_factory):
     return {k: str(root / k) for k in names}
 
 
-def refused(*args: str, env: dict[str, str] | None = None) -> str:
-    """Run the demo with ``args``; assert the refusal's form (exit 2, one line, quickly, no rank
-    started) and return its message."""
+def one_line(code: int, out: str, err: str) -> str:
+    """Assert a refusal's form (exit 2, one line on stderr, nothing on stdout: no rank started) and
+    return its message."""
+    assert code == 2, out + err
+    assert out == "", out  # a world prints its ranks' log lines; none started
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(PROG), err
+    return lines[0][len(PROG) :]
+
+
+def by_command(*args: str, env: dict[str, str] | None = None) -> str:
+    """Run ``python -m collective_loader demo args``; the refusal's message."""
     proc = subprocess.run(
         [sys.executable, "-m", "collective_loader", "demo", *args],
         capture_output=True,
@@ -63,47 +76,60 @@ def refused(*args: str, env: dict[str, str] | None = None) -> str:
         timeout=SECONDS,
         env={**os.environ, **(env or {})},
     )
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stdout == "", proc.stdout  # a world prints its ranks' log lines; none started
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(PROG), proc.stderr
-    return lines[0][len(PROG) :]
+    return one_line(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture
+def refused(capfd):
+    """``refused(*args)``: the demo's entry point given ``demo args`` in this process (argparse's
+    own refusals exit through ``SystemExit``); the refusal's message."""
+
+    def run(*args: str) -> str:
+        capfd.readouterr()
+        try:
+            code = cli.main(["demo", *args])
+        except SystemExit as e:
+            code = e.code
+        out, err = capfd.readouterr()
+        return one_line(code, out, err)
+
+    return run
 
 
 def test_data_that_is_not_a_directory(data):
-    message = refused("--data", data["text"] + "/nowhere")
+    message = by_command("--data", data["text"] + "/nowhere")
     assert message == f"--data {data['text']}/nowhere: no such directory; give the directory an MDSWriter wrote"
 
 
-def test_data_without_an_mds_index(data):
+def test_data_without_an_mds_index(data, refused):
     message = refused("--data", data["empty"])
     assert message.startswith(f"--data {data['empty']}: no index.json there"), message
     message = refused("--data", data["notjson"])
     assert message == f"--data {data['notjson']}: its index.json is not an MDS index (no list of shards)"
 
 
-def test_data_without_a_column_the_demo_reads(data):
+def test_data_without_a_column_the_demo_reads(data, refused):
     message = refused("--data", data["labels"])
     assert message.startswith(f"--data {data['labels']} has columns {{'label': 'int'}}: the demo reads a text column")
 
 
-def test_text_without_a_tokenizer(data):
+def test_text_without_a_tokenizer(data, refused):
     message = refused("--data", data["text"])
     assert "holds a text column: give --tokenizer PATH" in message, message
 
 
-def test_a_tokenizer_path_with_no_tokenizer(data):
+def test_a_tokenizer_path_with_no_tokenizer(data, refused):
     message = refused("--data", data["text"], "--tokenizer", data["empty"])
     assert message == f"--tokenizer {data['empty']}: no tokenizer.json there; give one, or the directory holding it"
 
 
-def test_a_tokenizer_json_the_tokenizers_package_cannot_read(data):
+def test_a_tokenizer_json_the_tokenizers_package_cannot_read(data, refused):
     bad = os.path.join(data["notjson"], "tokenizer.json")
     message = refused("--data", data["text"], "--tokenizer", bad)
     assert message.startswith(f"--tokenizer {bad}: the tokenizers package cannot read it ("), message
 
 
-def test_a_tokenizer_json_alone_names_no_bos_or_eos(data):
+def test_a_tokenizer_json_alone_names_no_bos_or_eos(data, refused):
     """The issue's case: a plain tokenizer.json, nothing beside it to name BOS / EOS."""
     plain = os.path.join(data["plain"], "tokenizer.json")
     message = refused("--data", data["text"], "--tokenizer", plain)
@@ -117,7 +143,7 @@ def test_a_tokenizer_json_alone_names_no_bos_or_eos(data):
     )
 
 
-def test_a_bos_token_the_tokenizer_does_not_have(data):
+def test_a_bos_token_the_tokenizer_does_not_have(data, refused):
     message = refused("--data", data["text"], "--tokenizer", data["tok"], "--bos-token", "<s>")
     assert message == (
         f"--tokenizer {data['tok']}: has no token '<s>' (--bos-token) (its special tokens: {BOS}, {EOS}); "
@@ -136,11 +162,11 @@ def test_a_bos_token_the_tokenizer_does_not_have(data):
         (["--token-dtype", "int33"], "argument --token-dtype: invalid choice: 'int33'"),
     ],
 )
-def test_text_flags_without_the_data_they_are_for(data, args, message):
+def test_text_flags_without_the_data_they_are_for(data, refused, args, message):
     assert refused(*(a.format(**data) for a in args)).startswith(message.format(**data))
 
 
-def test_token_bytes_of_int32_without_token_dtype(data):
+def test_token_bytes_of_int32_without_token_dtype(data, refused):
     """The issue's case: int32 bytes read as the default int64 (odd lengths: no whole number)."""
     message = refused("--data", data["int32"], "--mesh", "dp=2")
     assert re.fullmatch(
@@ -150,7 +176,7 @@ def test_token_bytes_of_int32_without_token_dtype(data):
     ), message
 
 
-def test_token_bytes_of_int32_that_read_as_int64_beyond_any_vocabulary(data):
+def test_token_bytes_of_int32_that_read_as_int64_beyond_any_vocabulary(data, refused):
     """Even lengths: the bytes read as int64 without an error, two ids in each, the library
     accepts them; no vocabulary holds such ids."""
     message = refused("--data", data["int32_even"], "--mesh", "dp=2")
@@ -161,7 +187,7 @@ def test_token_bytes_of_int32_that_read_as_int64_beyond_any_vocabulary(data):
     ), message
 
 
-def test_token_bytes_of_uint16_given_a_type_that_does_not_fit(data):
+def test_token_bytes_of_uint16_given_a_type_that_does_not_fit(data, refused):
     """Ids of 35000-64999 as uint16, read as int16: negative ids, which the library refuses."""
     message = refused("--data", data["uint16"], "--token-dtype", "int16")
     assert re.fullmatch(
@@ -176,7 +202,7 @@ def test_remote_whose_endpoint_cannot_be_reached(data):
     of reach of its own clients (and so of every rank)."""
     dead = "http://127.0.0.1:9"  # the discard port: nothing listens there
     env = {"HTTP_PROXY": dead, "http_proxy": dead, "NO_PROXY": "", "no_proxy": ""}
-    message = refused("--remote", "--mesh", "dp=2", env=env)
+    message = by_command("--remote", "--mesh", "dp=2", env=env)
     assert re.fullmatch(
         r"--remote: the local S3 endpoint http://127\.0\.0\.1:\d+ cannot be reached from here \(.+\); "
         r"check HTTP_PROXY / NO_PROXY for 127\.0\.0\.1",
