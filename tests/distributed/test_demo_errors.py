@@ -208,3 +208,37 @@ def test_remote_whose_endpoint_cannot_be_reached(data):
         r"check HTTP_PROXY / NO_PROXY for 127\.0\.0\.1",
         message,
     ), message
+
+
+# --- a bad --mesh, or --remote where it cannot run: one line, exit code 2, no rank started ----------
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--mesh", "foo=2"], {}, r"--mesh foo=2: dim 'foo' is not one of"),
+        (["--mesh", "pp2"], {}, r"--mesh wants name=size pairs like pp=2,dp=2,tp=2, got 'pp2'"),
+        (["--mesh", "dp=2,dp=2"], {}, r"--mesh dp=2,dp=2: mesh dim names must be unique"),
+        (["--mesh", "dp=0"], {}, r"--mesh dp=0: mesh dims must have size >= 1"),
+        (
+            ["--mesh", "cp=3"],
+            {},
+            r"--mesh cp=3: --seq-len 64 cannot be split over cp=3 by the zigzag split; use a multiple of 6",
+        ),
+        # under torchrun (its environment, one process): the mesh must match the world it started
+        (
+            ["--mesh", "pp=2,dp=2,tp=2"],
+            {**TORCHRUN_ENV, "WORLD_SIZE": "4"},
+            r"--mesh pp=2,dp=2,tp=2: the mesh has 8 ranks, the world 4",
+        ),
+        # the endpoint lives in the process that starts the ranks: torchrun has none
+        (["--remote"], TORCHRUN_ENV, r"--remote serves its S3 endpoint from the demo process that starts the ranks"),
+        (["--remote", "--data", "/nonexistent"], {}, r"--remote uploads the demo's own dataset; leave out --data"),
+    ],
+)
+def test_a_bad_mesh_or_remote_in_one_line_before_any_rank_starts(refused, monkeypatch, args, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert re.match(message, refused(*args))
