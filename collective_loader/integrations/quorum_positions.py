@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from collective_loader.plan.quorum import DocumentStarts, GlobalOrder
-from collective_loader.text.layouts import ColumnLayout, TextColumn, TokenColumn
+from collective_loader.text.layouts import TokenColumn, TokenLayout
 from collective_loader.text.packing import Packer, Packing, Row, batch_of
 from collective_loader.types import Batch
 
@@ -81,7 +81,7 @@ class SamplePositions:
     """
 
     def __init__(
-        self, collate: Callable[[list[Any]], Batch], *, layout: ColumnLayout | None = None, document_lengths: Any = None
+        self, collate: Callable[[list[Any]], Batch], *, layout: TokenLayout | None = None, document_lengths: Any = None
     ) -> None:
         if layout is not None or document_lengths is not None:
             raise ValueError("layout= and document_lengths= are packing's (a sample's tokens): give them with packing=")
@@ -148,15 +148,18 @@ class RowPositions:
         self,
         packing: Packing,
         *,
-        layout: ColumnLayout | None = None,
+        layout: TokenLayout | None = None,
         document_lengths: Any = None,
         collate: Callable[[list[Any]], Batch] | None = None,
     ) -> None:
         layout = TokenColumn() if layout is None else layout
         if not isinstance(packing, Packing):
             raise TypeError(f"packing must be a collective_loader.text.Packing, got {type(packing).__qualname__}")
-        if not isinstance(layout, (TokenColumn, TextColumn)):
-            raise TypeError(f"layout must be a TokenColumn or a TextColumn, got {type(layout).__qualname__}")
+        if not isinstance(layout, TokenLayout):
+            raise TypeError(
+                "layout must be a TokenColumn, a TextColumn or another TokenLayout (documents(samples) -> token ids), "
+                f"got {type(layout).__qualname__}"
+            )
         if collate is not None:
             raise ValueError("with packing=, QuorumData makes the batches itself: leave out collate=")
         if packing.balance is not None:
@@ -215,13 +218,12 @@ class _RowReader:
         dataset: Any,
         order: GlobalOrder,
         packing: Packing,
-        layout: ColumnLayout,
+        layout: TokenLayout,
         starts: DocumentStarts,
         lengths: Any = None,
     ) -> None:
         self.dataset, self.order, self.packing, self.layout, self.starts = dataset, order, packing, layout, starts
         self.lengths = lengths
-        self._encoder = layout.encoder() if isinstance(layout, TextColumn) else None  # resolved once
         self._last: tuple[int, np.ndarray] | None = None
         self._empty_run = 0  # lengths of 0 in a row
         self._figures = dict.fromkeys(("rows", "documents_read", "tokens_read"), 0)
@@ -242,11 +244,7 @@ class _RowReader:
         if self._last is not None and self._last[0] == position:
             return self._last[1]
         index = self.order.indices(position, position + 1)[0]
-        sample = self.dataset[index]
-        if isinstance(self.layout, TextColumn):
-            tokens = self.layout.documents([sample], self._encoder)[0]
-        else:
-            tokens = self.layout.read(sample)
+        tokens = self.layout.documents([self.dataset[index]])[0]
         if self.lengths is not None and len(tokens) != int(self.lengths[index]):
             # a wrong length would shift every later row: tokens lost or trained twice
             raise ValueError(

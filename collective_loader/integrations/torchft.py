@@ -39,15 +39,16 @@ methods used above, so importing this module never needs torchft.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import default_collate
 
+from collective_loader.delivery.agreement import run_phase
 from collective_loader.integrations.quorum_positions import Positions, RowPositions, SamplePositions
 from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.quorum import GlobalOrder, StepShare, step_share
-from collective_loader.text.layouts import ColumnLayout
+from collective_loader.text.layouts import TokenLayout
 from collective_loader.text.packing import Packing
 from collective_loader.types import Batch
 
@@ -59,6 +60,24 @@ __all__ = ["QuorumData"]
 _FORMAT = 2  # 2: the kind of positions (samples or packed rows) and the rows' anchor
 
 
+@runtime_checkable
+class MapDataset(Protocol):
+    """What :class:`QuorumData` reads: a length, and one sample by index (a list, a map-style
+    ``Dataset``, a :class:`~collective_loader.streaming.leader_dataset.StreamingByIndex`)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+@runtime_checkable
+class ClosingDataset(MapDataset, Protocol):
+    """A dataset that holds something until closed (a leader's ``StreamingDataset``: shared
+    memory). :class:`QuorumData` closes one that its ``dataset`` callable built."""
+
+    def close(self) -> None: ...
+
+
 class QuorumData:
     """One replica group's data under torchft: each step, this replica's share of a constant
     global batch, split by the step's quorum; a committed cursor torchft hands to healing groups.
@@ -68,10 +87,14 @@ class QuorumData:
     the first ``start_quorum()``.
 
     Args:
-        dataset: anything with ``__len__`` and ``__getitem__(index)`` returning one sample (a
-            list, a map-style ``Dataset``), or a zero-argument callable returning one, called
-            on the replicas' leaders only (a :class:`~collective_loader.streaming.LeaderStreamingDataset`: an MDS dataset).
-            Only leaders read it, by index, in this class's own order.
+        dataset: a :class:`MapDataset`: anything with ``__len__`` and ``__getitem__(index)``
+            returning one sample (a list, a map-style ``Dataset``), taken as it is (it stays the
+            caller's to close); or else a zero-argument callable returning one, called on the
+            replicas' leaders only (a :class:`~collective_loader.streaming.LeaderStreamingDataset`:
+            an MDS dataset), whose product is QuorumData's: :meth:`close` closes it when it has
+            ``close()`` (:class:`ClosingDataset`). Anything else is a ``TypeError`` on every rank;
+            a callable that returns no ``MapDataset``, a ``LeaderError`` on every rank. Only
+            leaders read it, by index, in this class's own order.
         mesh: the replica group's own ``DeviceMesh`` (every rank of the group's
             ``torch.distributed`` world); its data dims (``dp_shard``, ``dp``, ...) split the
             group's share again, its ``tp`` peers get copies, as in any ``CollectiveLoader``.
@@ -85,7 +108,8 @@ class QuorumData:
             of ``seq_len + 1`` tokens packed from the samples' documents (batches of
             ``input_ids``, ``labels`` and ``packing.boundaries``), every token of every document
             in one row; ``None``: the positions are the samples.
-        layout: with ``packing``, where a sample's tokens are (default ``TokenColumn("tokens")``).
+        layout: with ``packing``, where a sample's tokens are: a ``TokenColumn`` (default
+            ``TokenColumn("tokens")``), a ``TextColumn``, or any :class:`~collective_loader.text.layouts.TokenLayout`.
         document_lengths: with ``packing``, optionally each sample's token count, by dataset index
             (a list, an array, ``numpy.load(path, mmap_mode="r")``: only the leaders read it).
             Without it a leader learns the lengths by reading the documents: every leader reads
@@ -102,14 +126,14 @@ class QuorumData:
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: MapDataset | Callable[[], MapDataset],
         mesh: DeviceMesh,
         manager: Manager,
         *,
         global_batch: int,
         micro_batch: int,
         packing: Packing | None = None,
-        layout: ColumnLayout | None = None,
+        layout: TokenLayout | None = None,
         document_lengths: Any = None,
         collate: Callable[[list[Any]], Batch] | None = None,
         shuffle: bool = True,
@@ -119,14 +143,10 @@ class QuorumData:
     ) -> None:
         if global_batch < 1 or micro_batch < 1:
             raise ValueError(f"global_batch and micro_batch must be >= 1, got {global_batch} and {micro_batch}")
-        if getattr(manager, "_use_async_quorum", False) and getattr(manager, "_init_sync", False):
-            # torchft 0.2 heals group ranks at step 0 from different groups, rank by rank; in the
-            # asynchronous mode a healing rank's gradient is zeroed while participating_rank()
-            # still counts it, so part of step 0's data would be trained by half a group
-            raise ValueError(
-                "QuorumData with torchft's asynchronous quorum needs Manager(..., init_sync=False) "
-                "(and the same initial weights on every group, e.g. one seed): with init_sync=True some ranks "
-                "of a group heal at step 0 and their gradients are dropped while their share of the data is counted"
+        if not isinstance(dataset, MapDataset) and not callable(dataset):
+            raise TypeError(
+                "dataset must be a map-style dataset (__len__ and __getitem__) or a zero-argument callable "
+                f"returning one, got {type(dataset).__qualname__}"
             )
         self.positions: Positions = (
             SamplePositions(collate or default_collate, layout=layout, document_lengths=document_lengths)
@@ -139,8 +159,9 @@ class QuorumData:
         self.cursor = 0  # positions of the global order the committed steps trained
         self.share: StepShare | None = None  # the current (or last) step's share for this replica
         self._step_number: int | None = None  # the manager's step while a step is open
+        self._before_first_commit = True  # no step committed through this QuorumData yet (every rank alike)
         positions = self.positions
-        self.loader = CollectiveLoader(lambda: _StepSource(dataset, positions, seed, shuffle), mesh, **loader_options)
+        self.loader = CollectiveLoader(lambda: _step_source(dataset, positions, seed, shuffle), mesh, **loader_options)
         manager.register_state_dict_fn(state_key, self._load_live_state, self.state_dict)
 
     @property
@@ -156,16 +177,17 @@ class QuorumData:
         Blocks on the quorum (``participating_rank()``), computes this replica's share
         (:attr:`share`), and returns an iterator of its micro-batches, each delivered by the
         replica's leader (none when the group takes no part in the step: a healing group in
-        torchft's asynchronous mode). Iterate it to the end before :meth:`end_step`."""
+        torchft's asynchronous mode). Iterate it to the end before :meth:`end_step`.
+
+        Until the first step commits it is collective over the group (call it on every rank, as
+        the loop does): a ``RuntimeError`` on every rank of the group when some rank of it heals
+        while it is given a share (torchft's asynchronous quorum with ``init_sync=True``)."""
         if self._step_number is not None:
             raise RuntimeError("QuorumData.step() again before end_step(committed) of the step before")
         participant = self.manager.participating_rank()  # blocks until the quorum is known
         participants = self.manager.num_participants()
-        if participant is not None and not self.manager.is_participating():
-            raise RuntimeError(
-                f"torchft gave this rank participant {participant} of {participants} but is_participating() is False "
-                "(a rank that heals in the asynchronous mode): its gradient would be dropped with its share of the data"
-            )
+        if self._before_first_commit:
+            self._refuse_partial_heal(participant, participants)
         self._step_number = self.manager.current_step()
         loader = self.loader
         share = step_share(
@@ -193,8 +215,44 @@ class QuorumData:
                 f"expected {expected}: pass what manager.should_commit() returned, once per step"
             )
         if committed:
+            self._before_first_commit = False
             self.cursor += self.global_batch
             self.positions.committed(self.cursor)
+
+    def _refuse_partial_heal(self, participant: int | None, participants: int) -> None:
+        """Raise on every rank of the group when any of its ranks is given a share of the step
+        (``participating_rank()`` not ``None``) but does not take part (``is_participating()``
+        false: it heals in torchft's asynchronous quorum, so its gradient is zeroed).
+
+        torchft 0.2 does that with ``init_sync=True``, which heals a group's ranks at step 0 rank
+        by rank from different groups: the ranks that heal would drop their gradients while
+        their share of the data counts as trained. Only some ranks of the group are in that
+        state, and they share one loader, so a rank that raised alone would leave the others
+        waiting for it in the loader's next collective: the group agrees on it instead, with one
+        small all-reduce on this (the training) thread over the loader's control group (gloo,
+        every rank of the group; nothing else uses it after construction). It is needed only
+        before the group's first commit: that is the only time a rank can heal while given a
+        share (a group behind the others' step heals as a whole and is given none), and from
+        the first commit on every rank has passed step 0. "Before the first commit" is the same
+        on every rank of the group (``end_step`` takes ``should_commit()``, the group's vote),
+        so every rank runs the collective at the same steps."""
+
+        def check() -> None:
+            if participant is not None and not self.manager.is_participating():
+                raise RuntimeError(
+                    f"torchft gave it participant {participant} of {participants} but is_participating() is False: "
+                    "it heals in the asynchronous quorum (torchft's init_sync=True heals a group's ranks at step 0 "
+                    "rank by rank), so its gradient would be dropped while its share of the data is counted; use "
+                    "Manager(..., init_sync=False) with the same initial weights on every group (e.g. one seed)"
+                )
+
+        run_phase(
+            self.loader.settings.groups.control,
+            check,
+            lambda rank, text: RuntimeError(
+                f"QuorumData.step(), on every rank of the replica group: its rank {rank} (the lowest in that state): {text}"
+            ),
+        )
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -256,10 +314,11 @@ class _StepSource:
 
     elastic = True  # nothing of its own to resume: the state is QuorumData's cursor
 
-    def __init__(self, dataset: Any, positions: Positions, seed: int, shuffle: bool) -> None:
-        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) and callable(dataset):
-            dataset = dataset()
+    def __init__(
+        self, dataset: MapDataset, positions: Positions, seed: int, shuffle: bool, owned: ClosingDataset | None = None
+    ) -> None:
         self.dataset = dataset
+        self.owned = owned  # what close() closes: a dataset QuorumData's callable built
         self.reader = positions.reader(dataset, GlobalOrder(len(dataset), seed, shuffle))
         self.request: Sequence[tuple[int, int]] = ()
 
@@ -284,6 +343,21 @@ class _StepSource:
         return self.reader.stats()
 
     def close(self) -> None:
-        close = getattr(self.dataset, "close", None)
-        if callable(close):
-            close()
+        if self.owned is not None:
+            self.owned.close()
+
+
+def _step_source(
+    dataset: MapDataset | Callable[[], MapDataset], positions: Positions, seed: int, shuffle: bool
+) -> _StepSource:
+    """A leader's source (the loader's source-building phase: an error reaches every rank as a
+    ``LeaderError``). A dataset given as it is stays the caller's; one that ``dataset()`` builds
+    is closed with the source when it has ``close()``."""
+    if isinstance(dataset, MapDataset):
+        return _StepSource(dataset, positions, seed, shuffle)
+    built = dataset()
+    if not isinstance(built, MapDataset):
+        raise TypeError(
+            f"dataset() returned a {type(built).__qualname__}, not a map-style dataset (__len__ and __getitem__)"
+        )
+    return _StepSource(built, positions, seed, shuffle, built if isinstance(built, ClosingDataset) else None)

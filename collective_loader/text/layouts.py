@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -138,8 +139,15 @@ class TextColumn:
     def encoder(self) -> TextEncoder:
         return TextEncoder(self.tokenizer, self.add_bos, self.add_eos, self.bos_token, self.eos_token)
 
+    @cached_property
+    def _encoder(self) -> TextEncoder:
+        # this layout's own, made once: documents() called sample by sample does not build (and
+        # resolve, e.g. read a tokenizer.json) a new one each call; a pickled copy resolves again
+        return self.encoder()
+
     def documents(self, samples: Sequence[Sample], encoder: TextEncoder | None = None) -> list[np.ndarray]:
-        """Each sample's text tokenized, ``(tokens,)`` int64; pass ``encoder`` to reuse one."""
+        """Each sample's text tokenized, ``(tokens,)`` int64, with ``encoder`` if given, else
+        this layout's own (made at the first call)."""
         texts = []
         for sample in samples:
             if self.column not in sample:
@@ -154,10 +162,25 @@ class TextColumn:
                     f"TokenColumn(column={self.column!r}, dtype=...) (bytes: the token_encoding_type they were written with)"
                 )
             texts.append(value)
-        return [np.asarray(ids, dtype=np.int64) for ids in (encoder or self.encoder())(texts)]
+        return [np.asarray(ids, dtype=np.int64) for ids in (encoder or self._encoder)(texts)]
 
 
 ColumnLayout = TokenColumn | TextColumn
+
+
+@runtime_checkable
+class TokenLayout(Protocol):
+    """What packing reads a sample's tokens through: :class:`TokenColumn` and :class:`TextColumn`
+    are two, and any object with this method is one.
+
+    >>> isinstance(TokenColumn(), TokenLayout), isinstance(TextColumn("unused"), TokenLayout)
+    (True, True)
+    """
+
+    def documents(self, samples: Sequence[Sample]) -> list[np.ndarray]:
+        """Each sample's token ids, ``(tokens,)`` int64; ``ValueError`` naming the column for a
+        sample that does not fit the layout."""
+        ...
 
 
 SAMPLE_INDEX = "_sample_index"  # the key under which the leader's dataset gives each sample's index

@@ -195,12 +195,6 @@ def out_of_order() -> list[str]:
     mesh = make_mesh(("dp_shard", "tp"), (2, 2))
     manager = ScriptedManager(0)
     errors = []
-    manager._use_async_quorum = manager._init_sync = True  # torchft's asynchronous quorum with init_sync
-    try:
-        QuorumData(list(range(5)), mesh, manager, global_batch=2, micro_batch=1, inputs=("x",), labels=())
-    except ValueError as e:
-        errors.append(str(e))
-    manager._init_sync = False
     data = QuorumData(list(range(5)), mesh, manager, global_batch=2, micro_batch=1, inputs=("x",), labels=())
     try:
         data.end_step(True)
@@ -224,8 +218,57 @@ def out_of_order() -> list[str]:
 @pytest.mark.timeout(240)
 def test_steps_out_of_order_are_refused(worlds):
     for errors in worlds.get(4).run(out_of_order):
-        assert len(errors) == 4 and "init_sync=False" in errors[0]
-        assert "without a step" in errors[1] and "again before end_step" in errors[2] and "expected 1" in errors[3]
+        assert len(errors) == 3
+        assert "without a step" in errors[0] and "again before end_step" in errors[1] and "expected 1" in errors[2]
+
+
+class PartlyHealing(ScriptedManager):
+    """torchft's asynchronous quorum with ``init_sync=True`` at step 0, as the group's ranks see it:
+    every rank has the group's participant, the ranks in ``healing`` are not participating (they
+    heal, their gradients are zeroed). Counts ``is_participating()`` calls."""
+
+    def __init__(self, healing: bool) -> None:
+        super().__init__(0)
+        self.healing, self.asked = healing, 0
+
+    def is_participating(self) -> bool:
+        self.asked += 1
+        return self.quorum[0] is not None and not self.healing
+
+
+def partly_healing() -> dict:
+    mesh = make_mesh(("dp_shard", "tp"), (2, 2))
+    manager = PartlyHealing(healing=dist.get_rank() in (1, 3))  # rank 0, the leader of replica 0, does not heal
+    samples = [{"x": torch.tensor(float(i))} for i in range(8)]
+    data = QuorumData(samples, mesh, manager, global_batch=2, micro_batch=1, inputs=("x",), labels=())
+    manager.quorum = (0, 2)
+    try:
+        data.step()
+        refused = "no error"
+    except RuntimeError as e:
+        refused = str(e)
+    manager.healing = False  # healed: the same quorum again
+    micro = len(list(data.step()))
+    manager.step_no += 1
+    data.end_step(True)
+    asked = manager.asked
+    manager.start_quorum()
+    list(data.step())
+    data.end_step(manager.should_commit())
+    data.close()
+    return {"refused": refused, "micro": micro, "asked": (asked, manager.asked)}
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_healing_with_a_share_stops_the_step_on_every_rank(worlds):
+    results = worlds.get(4).run(partly_healing)
+    # the same error on every rank, the healing ones and the others (they share one loader)
+    assert len({r["refused"] for r in results}) == 1, results
+    refused = results[0]["refused"]
+    assert "its rank 1 " in refused and "is_participating() is False" in refused and "init_sync=False" in refused
+    # then the step goes on when nobody heals (participant 0 of 2: 1 sample, one micro-batch per
+    # replica); after the first commit nobody asks any more (no collective)
+    assert all(r["micro"] == 1 and r["asked"] == (2, 2) for r in results), results
 
 
 # --- real MDS shards: a StreamingDataset built on the leaders alone ---------------------------------
