@@ -2,18 +2,20 @@
 
 * Every ```python block is a complete program whose first line says how to run it:
   ``# run: python`` (one process) or ``# run: torchrun N`` (a local world of N gloo ranks, as
-  ``torchrun --standalone --nproc-per-node N`` runs it: ``tests/support/forked_ranks.py`` gives each
-  rank torchrun's environment, forked after the imports, which costs a fraction of torchrun's
-  start). It must exit 0. A block without that line fails, naming its file and line.
+  ``torchrun --standalone --nproc-per-node N`` runs it: ``forked_ranks.run_from_fork_server`` gives
+  each rank torchrun's environment, forked from the session's fork server, where torch and
+  streaming are imported once). It must exit 0. A block without that line fails, naming its file
+  and line.
 * Every ``python -m collective_loader demo ...`` (or ``torchrun --standalone --nproc-per-node N -m
   collective_loader demo ...``) shown in a ```bash block runs to "all checks passed". A demo
   command this test cannot run as shown (another node, a ``--data`` directory, a variable) fails.
   Runs of more than 8 ranks are ``slow``. Those that ``test_demo.py`` runs with checks of its own
   (``test_demo.RUN_HERE``) are not run twice.
 
-Each program runs in a session of its own with a timeout; on a miss its process group gets
-SIGTERM (torchrun then stops its ranks, which it starts in sessions of their own), then SIGKILL
-(the whole tree).
+Each runs with a timeout. A demo command runs in a session of its own; on a miss its process
+group gets SIGTERM (torchrun then stops its ranks, which it starts in sessions of their own), then
+SIGKILL (the whole tree). A block's ranks, and what they started, are killed when one fails or
+time runs out.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from pathlib import Path
 
 import pytest
 import test_demo
+from forked_ranks import run_from_fork_server
 from processes import kill_tree
 
 from collective_loader.cli.args import parse_mesh
 from collective_loader.plan.mesh import MeshLayout
 
 REPO = Path(__file__).resolve().parents[2]
-FORKED_RANKS = REPO / "tests" / "support" / "forked_ranks.py"  # torchrun's workers' environment, imports paid once
 RUN_LINE = re.compile(r"#\s*run:\s*(?:(python)|torchrun\s+(\d+))\s*$")
 DEMO = ("-m", "collective_loader", "demo")
 DEFAULT_MESH = "pp=2,dp=2,tp=2"  # the demo's --mesh default
@@ -91,8 +93,9 @@ def fenced_blocks(path: Path, root: Path = REPO) -> list[Block]:
     return blocks
 
 
-def python_command(block: Block, script: str) -> list[str]:
-    """How to run a python block saved as ``script``, from its first line."""
+def block_ranks(block: Block) -> int | None:
+    """How to run a python block, from its first line: on N ranks (``# run: torchrun N``), or as
+    one plain process (``# run: python``: None)."""
     first = block.text.split("\n", 1)[0]
     match = RUN_LINE.fullmatch(first.strip())
     if match is None:
@@ -100,9 +103,7 @@ def python_command(block: Block, script: str) -> list[str]:
             f"{block.where}: a ```python block must start with '# run: python' or '# run: torchrun N' "
             f"(first line: {first!r}); put text that does not run in a ```text block"
         )
-    if match[1]:
-        return [sys.executable, script]
-    return [sys.executable, str(FORKED_RANKS), match[2], script]
+    return None if match[1] else int(match[2])
 
 
 def logical_lines(block: Block) -> list[tuple[int, str]]:
@@ -228,11 +229,13 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(block.text)
     try:
-        argv = python_command(block, str(script))
+        ranks = block_ranks(block)
     except ValueError as e:
         pytest.fail(str(e))
-    code, out = run(argv, tmp_path, BLOCK_TIMEOUT)
-    assert code == 0, f"the example at {block.where} exited {code}:\n{out[-6000:]}"
+    code, out = run_from_fork_server([str(script)], ranks, str(tmp_path), BLOCK_TIMEOUT)
+    assert code == 0, (
+        f"the example at {block.where} exited {code} (124: still running after {BLOCK_TIMEOUT:.0f}s):\n{out[-6000:]}"
+    )
 
 
 def _demo_params() -> list:
@@ -292,9 +295,9 @@ def test_a_python_block_without_a_run_line_fails_naming_its_file_and_line(tmp_pa
     (tmp_path / "README.md").write_text("# x\n\n```python\n# run: torchrun 4\nprint(1)\n```\n")
     (tmp_path / "docs" / "page.md").write_text("text\n\n```python\nprint(1)\n```\n")
     readme, page = (fenced_blocks(p, tmp_path)[0] for p in documents(tmp_path))
-    assert python_command(readme, "x.py")[-3:] == [str(FORKED_RANKS), "4", "x.py"]
+    assert block_ranks(readme) == 4
     with pytest.raises(ValueError, match=r"^docs/page\.md:3: a ```python block must start with"):
-        python_command(page, "x.py")
+        block_ranks(page)
 
 
 def test_demo_commands_are_found_and_those_that_cannot_run_here_are_refused(tmp_path: Path) -> None:
@@ -320,3 +323,22 @@ def test_demo_commands_are_found_and_those_that_cannot_run_here_are_refused(tmp_
     assert ok[2].argv[1:7] == ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m")
     refused = [d for d in found if isinstance(d, str)]
     assert [r.split(": ", 1)[0] for r in refused] == ["README.md:6", "README.md:7"], refused
+
+
+def test_a_rank_that_fails_ends_the_block_with_its_output_and_stops_the_others(tmp_path: Path) -> None:
+    """The runner itself: rank 1 raises while rank 0 would wait forever; the block fails at once
+    with rank 1's traceback, and a block that never ends is stopped at its timeout."""
+    script = tmp_path / "example.py"
+    script.write_text(
+        "import os, threading\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise KeyError('rank 1 fails')\n"
+        "threading.Event().wait()\n"
+    )
+    code, out = run_from_fork_server([str(script)], 2, str(tmp_path), BLOCK_TIMEOUT)
+    assert code == 1 and "KeyError: 'rank 1 fails'" in out, (code, out)
+    code, out = run_from_fork_server([str(script)], None, str(tmp_path), 3.0)  # no RANK: a plain process
+    assert code == 1 and "KeyError: 'RANK'" in out, (code, out)
+    script.write_text("import threading\nprint('started', flush=True)\nthreading.Event().wait()\n")
+    code, out = run_from_fork_server([str(script)], 2, str(tmp_path), 3.0)
+    assert code == 124 and out.count("started") == 2, (code, out)
