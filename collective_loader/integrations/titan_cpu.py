@@ -17,8 +17,10 @@ It makes the changes below, each needed only because there is no accelerator, an
 - FSDP modules sum their gradients (``set_force_sum_reduction_for_comms(True)``): gloo has no
   ``PREMUL_SUM`` reduction, which FSDP's averaging uses;
 - in the config ``--config`` names (:func:`cpu_config`): SDPA instead of FlexAttention in every
-  layer (FlexAttention has no CPU backward), and ``training.disable_cuda_graphs`` (the Trainer
-  refuses pp > 1 without it).
+  layer (FlexAttention has no CPU backward), ``training.disable_cuda_graphs`` (the Trainer
+  refuses pp > 1 without it), and FSDP's parameters in float32
+  (``training.mixed_precision_param``: a CPU without bfloat16 instructions converts each bfloat16
+  matmul, 60 times slower than float32 on this project's 2-core machine).
 
 SDPA is causal over the whole row, where FlexAttention is block-causal per document: rows packed
 from several documents attend across their boundaries here, so losses differ from a GPU run's
@@ -68,9 +70,18 @@ class CpuDevice(types.SimpleNamespace):
         return {}
 
 
+_patched = False
+
+
 def patch_process() -> None:
     """The process-wide changes (device, FSDP's reduction). Call before any torchtitan module
-    but ``torchtitan.tools.utils`` is imported: several copy its device at import."""
+    but ``torchtitan.tools.utils`` is imported: several copy its device at import. A process that
+    imported torchtitan after calling it (a parent that forks ranks) passes the changes on to
+    them: later calls do nothing."""
+    global _patched
+    if _patched:
+        return
+    _patched = True
     import torchtitan.tools.utils as utils
 
     utils.device_type, utils.device_module = "cpu", CpuDevice()
@@ -88,8 +99,9 @@ def patch_process() -> None:
 
 
 def cpu_config(config: Any) -> Any:
-    """A ``Trainer.Config``'s changes for the CPU (SDPA for FlexAttention, no CUDA graphs), in
-    place; returns ``config``. Applied to every config the launcher loads; flags still override.
+    """A ``Trainer.Config``'s changes for the CPU (SDPA for FlexAttention, no CUDA graphs, float32
+    parameters), in place; returns ``config``. Applied to every config the launcher loads; flags
+    still override.
 
     >>> from torchtitan.models.llama3.config_registry import llama3_debugmodel
     >>> cpu_config(llama3_debugmodel()).training.disable_cuda_graphs
@@ -100,6 +112,7 @@ def cpu_config(config: Any) -> Any:
     for _, _, parent, attr in list(config.model_spec.model.traverse(FlexAttention.Config)):
         setattr(parent, attr, ScaledDotProductAttention.Config())
     config.training.disable_cuda_graphs = True
+    config.training.mixed_precision_param = "float32"
     return config
 
 

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from multiprocessing import connection
 
 import streaming  # noqa: F401  (imported once, here, for every rank)
@@ -71,6 +72,9 @@ def run_as_main(target: list[str]) -> int:
     """Run ``target`` (``[script, *args]`` or ``["-m", module, *args]``) as ``python`` would; its exit code."""
     try:
         if target[0] == "-m":
+            # the parent may have imported it (``--import``) to fork after its imports: runpy
+            # warns of that, and it runs as ``__main__`` all the same
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
             sys.argv = [target[1], *target[2:]]
             sys.path[0] = os.getcwd()  # as `python -m module` puts it
             runpy.run_module(target[1], run_name="__main__", alter_sys=True)

@@ -1,5 +1,13 @@
-"""Test-only: one run of TorchTitan's own ``torchtitan.train`` under torchrun on this CPU machine
-(through the shipped CPU launcher, ``collective_loader.integrations.titan_cpu``), killed with every rank it started when it runs past its time."""
+"""Test-only: one run of TorchTitan's own ``torchtitan.train`` on this CPU machine, through the
+shipped CPU launcher (``-m collective_loader.integrations.titan_cpu``), killed with every rank it
+started when it runs past its time.
+
+The ranks are forked by ``forked_ranks.py`` after the launcher's imports (torchrun's workers'
+environment, each line prefixed ``[default<rank>]:`` as ``torchrun --tee=3`` does): TorchTitan's
+imports cost 14 s of CPU a process here, paid once a run instead of once a rank. The seed
+checkpoint runs under torchrun itself, so that every session of the suite starts TorchTitan
+through the launcher the docs show.
+"""
 
 from __future__ import annotations
 
@@ -31,20 +39,23 @@ def torchrun(
     timeout: float,
     env: dict[str, str] | None = None,
     cwd: str | None = None,
+    launcher: str = "forked",
 ) -> float:
-    """``torchrun -m collective_loader.integrations.titan_cpu --module <module> --config <config> <flags>``
-    in ``cwd`` (this process's when None); its log is ``<out>.log``.
+    """``-m collective_loader.integrations.titan_cpu --module <module> --config <config> <flags>`` on
+    ``ranks`` ranks in ``cwd`` (this process's when None), started by ``launcher`` (``"forked"`` or
+    ``"torchrun"``); its log is ``<out>.log``.
 
     Run again (twice at most) when streaming lost the race for its shared-memory prefix: each rank
     looks for the first free one, then the local leader creates it after a barrier, so a streaming
     job that another process (another test suite on this machine) starts meanwhile can take it or
     make the ranks disagree.
     """
-    seconds, code, text = _torchrun(ranks, module, config, flags, out, timeout, env, cwd)
+    cmd = [*STARTERS[launcher](ranks), *LAUNCHER, "--module", module, "--config", config, *flags]
+    seconds, code, text = _run(cmd, out, timeout, env, cwd)
     for _ in range(2):
         if code == 0 or not PREFIX_RACE.search(text):
             break
-        seconds, code, text = _torchrun(ranks, module, config, flags, out, timeout, env, cwd)
+        seconds, code, text = _run(cmd, out, timeout, env, cwd)
     assert code == 0, f"exit {code} (-9: killed after {timeout}s):\n{text[-6000:]}"
     return seconds
 
@@ -70,37 +81,36 @@ def seed_checkpoint(module: str, config: str, flags: list[str], out: str, env: d
     from ``--debug.seed=0``) under ``out``, so that runs on different meshes start from the same
     weights. Returns the flag that starts a run from it."""
     seed_flags = [*flags, f"--dump_folder={out}", "--checkpoint.create_seed_checkpoint", "--debug.seed=0"]
-    torchrun(1, module, config, seed_flags, out, timeout=300, env=env)
+    torchrun(1, module, config, seed_flags, out, timeout=300, env=env, launcher="torchrun")
     return f"--checkpoint.initial_load_path={out}/checkpoint/step-0"
 
 
-def _torchrun(
-    ranks: int,
-    module: str,
-    config: str,
-    flags: list[str],
-    out: str,
-    timeout: float,
-    env: dict[str, str] | None,
-    cwd: str | None,
+def _forked(ranks: int) -> list[str]:
+    return [
+        sys.executable,
+        os.path.join(SUPPORT, "forked_ranks.py"),
+        "--import",
+        "collective_loader.integrations.titan_cpu:patch_process",
+        "--import",
+        "torchtitan.train",
+        "--tee",
+        str(ranks),
+    ]
+
+
+def _torchrun(ranks: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--tee=3"]
+
+
+STARTERS = {"forked": _forked, "torchrun": _torchrun}  # what starts the ranks: `launcher=`
+
+
+def _run(
+    cmd: list[str], out: str, timeout: float, env: dict[str, str] | None, cwd: str | None
 ) -> tuple[float, int, str]:
     for stale in glob.glob(f"{glob.escape(out)}.*"):
         if not stale.endswith(".log"):
             os.remove(stale)  # what a run that lost the race recorded
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={ranks}",
-        "--tee=3",
-        *LAUNCHER,
-        "--module",
-        module,
-        "--config",
-        config,
-        *flags,
-    ]
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, SUPPORT]), **(env or {})}
     start = time.perf_counter()
     with open(f"{out}.log", "w") as log:
@@ -108,7 +118,7 @@ def _torchrun(
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)  # torchrun and every rank it started (each in a session of its own)
+            kill_tree(proc.pid)  # the launcher and every rank it started
             proc.wait()
     with open(f"{out}.log") as log:
         text = log.read()
