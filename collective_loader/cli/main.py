@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     """The demo's exit code: 0 if every check passed, 1 if one failed, 2 for a flag it cannot run with."""
     ns = parser(DESCRIPTION).parse_args(argv)
     torchrun = launch.under_torchrun()
+    if not torchrun:
+        launch.start_fork_server()
     try:
         a = preflight(ns, int(os.environ["WORLD_SIZE"]) if torchrun else None)
         if ns.remote:

@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
@@ -30,6 +31,12 @@ import torch.distributed as dist
 # the ranks must come from this context too.
 CONTEXT = mp.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "collective_loader", "streaming"])
+
+
+def start_fork_server() -> None:
+    """Start the fork server now (it starts at the first rank otherwise): its imports (9 s of
+    CPU here) then run beside this process's own work, such as writing a dataset, on another core."""
+    forkserver.ensure_running()
 
 
 def under_torchrun() -> bool:
