@@ -1,7 +1,7 @@
 """``python -m collective_loader demo --data DIR`` on LLM data as LLM Foundry writes it: a text column
 with a tokenizer path, token bytes with their dtype; the checks pass on the packed rows and the
-packing figures are printed. A text column without a tokenizer is refused before any rank starts
-(test_demo_errors.py has every refusal)."""
+packing figures are printed. What the demo refuses (a text column without a tokenizer, ...):
+test_demo_errors.py."""
 
 from __future__ import annotations
 
@@ -82,9 +82,3 @@ def test_demo_packs_token_bytes_of_a_dtype_over_cp(llm_data):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all checks passed" in proc.stdout and "padding 0.0%" in proc.stdout, proc.stdout
-
-
-def test_demo_refuses_text_without_a_tokenizer(llm_data):
-    proc = demo("--data", llm_data["text"], "--mesh", "dp=2")
-    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert "holds a text column: give --tokenizer PATH" in proc.stderr, proc.stderr

@@ -16,17 +16,19 @@ ranks' start method stays fork (their DataLoader workers fork), rank 0 hosts the
 ``init_process_group()`` (torchrun's agent hosts it there: the library handles both), and when a
 rank fails the others are killed; the exit code is the first failing rank's. ``--tee`` prefixes
 each line a rank prints with ``[default<rank>]:``, as ``torchrun --tee=3`` does. TorchTitan's
-runs start this way (``tests/support/titan_run.py``).
+runs start this way (``tests/support/titan_run.py``), from the test process's fork server.
 
-:func:`run_from_fork_server` does the same from inside a test, with the ranks forked from the
+:func:`run_from_fork_server` runs a script or module from inside a test, on ranks forked from the
 test process's fork server (``collective_loader.testing.launch``: torch and streaming imported
 there once a session, not once a run): the docs examples run this way
-(``tests/distributed/test_docs_examples.py``). torchrun itself is run by the demo and job tests.
+(``tests/distributed/test_docs_examples.py``), and TorchTitan's runs start this script so (its
+parent then imports only TorchTitan). torchrun itself is run by the demo and job tests.
 """
 
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import os
 import runpy
 import selectors
@@ -181,12 +183,22 @@ def parse(argv: list[str]) -> tuple[int, list[str], bool]:
     return int(argv[0]), argv[1:], tee
 
 
-def _served_rank(rank: int, size: int, init_file: str, target: list[str], cwd: str, output: str, port: int) -> None:
+def _served_rank(
+    rank: int, size: int, init_file: str, target: list[str], cwd: str, output: str, port: int, env: dict[str, str]
+) -> None:
     # a fork-server process: its output goes to ``output`` (fd level: DataLoader workers' too)
     fd = os.open(output, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.chdir(cwd)
+    os.environ.update(env)
+    # what a new interpreter would take from the environment: the server's has run nothing yet
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    # a fork-server child inherits the server's start method; a program that python or torchrun
+    # starts has the platform's, fork (its DataLoader workers fork, pickling nothing)
+    multiprocessing.set_start_method("fork", force=True)
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     if port:
         os.environ.update(worker_environment(rank, size, port))
     code = run_as_main(target)
@@ -195,14 +207,17 @@ def _served_rank(rank: int, size: int, init_file: str, target: list[str], cwd: s
     sys.exit(code)
 
 
-def run_from_fork_server(target: list[str], ranks: int | None, cwd: str, timeout: float) -> tuple[int, str]:
+def run_from_fork_server(
+    target: list[str], ranks: int | None, cwd: str, timeout: float, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Run ``target`` (as :func:`run_as_main` takes it) in ``cwd`` on ``ranks`` ranks with torchrun's
-    workers' environment, or as one plain process when ``ranks`` is None; ``(exit code, output)``.
-    The first rank to fail stops the others; past ``timeout`` every rank is stopped and the code is
-    124. Each rank and everything it started is killed before this returns."""
+    workers' environment, or as one plain process when ``ranks`` is None, with ``env`` added to
+    this process's environment; ``(exit code, output)``. The first rank to fail stops the others;
+    past ``timeout`` every rank is stopped and the code is 124. Each rank and everything it
+    started is killed before this returns."""
     size, port = (1, 0) if ranks is None else (ranks, free_port())
     with tempfile.NamedTemporaryFile("w+", prefix="forked_ranks_", suffix=".log") as log:
-        procs, tmp = launch.spawn_ranks(_served_rank, size, target, cwd, log.name, port)
+        procs, tmp = launch.spawn_ranks(_served_rank, size, target, cwd, log.name, port, env or {})
         try:
             deadline, running, code = time.monotonic() + timeout, {p.sentinel: p for p in procs}, 0
             while running and not code:
@@ -216,7 +231,7 @@ def run_from_fork_server(target: list[str], ranks: int | None, cwd: str, timeout
         finally:
             for p in procs:
                 if p.exitcode is None:
-                    kill_tree(p.pid)  # a rank still running, and its DataLoader workers
+                    kill_tree(p.pid)  # a rank still running, and what it started
             launch.kill_ranks(procs, tmp)
         log.seek(0)
         return code, log.read()

@@ -3,10 +3,10 @@ shipped CPU launcher (``-m collective_loader.integrations.titan_cpu``), killed w
 started when it runs past its time.
 
 The ranks are forked by ``forked_ranks.py`` after the launcher's imports (torchrun's workers'
-environment, each line prefixed ``[default<rank>]:`` as ``torchrun --tee=3`` does): TorchTitan's
-imports cost 14 s of CPU a process here, paid once a run instead of once a rank. The seed
-checkpoint runs under torchrun itself, so that every session of the suite starts TorchTitan
-through the launcher the docs show.
+environment, each line prefixed ``[default<rank>]:`` as ``torchrun --tee=3`` does), itself started
+from the test process's fork server: of TorchTitan's imports (14 s of CPU a process here) a run
+pays the 4 s beyond torch and streaming, once. The seed checkpoint runs under torchrun itself, so
+that every session of the suite starts TorchTitan through the launcher the docs show.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from forked_ranks import run_from_fork_server
 from processes import kill_tree
 
 SUPPORT = os.path.dirname(os.path.abspath(__file__))
@@ -50,13 +51,14 @@ def torchrun(
     job that another process (another test suite on this machine) starts meanwhile can take it or
     make the ranks disagree.
     """
-    cmd = [*STARTERS[launcher](ranks), *LAUNCHER, "--module", module, "--config", config, *flags]
-    seconds, code, text = _run(cmd, out, timeout, env, cwd)
+    args = [*LAUNCHER, "--module", module, "--config", config, *flags]
+    run_env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, SUPPORT]), **(env or {})}
+    seconds, code, text = STARTERS[launcher](ranks, args, out, timeout, run_env, cwd or os.getcwd())
     for _ in range(2):
         if code == 0 or not PREFIX_RACE.search(text):
             break
-        seconds, code, text = _run(cmd, out, timeout, env, cwd)
-    assert code == 0, f"exit {code} (-9: killed after {timeout}s):\n{text[-6000:]}"
+        seconds, code, text = STARTERS[launcher](ranks, args, out, timeout, run_env, cwd or os.getcwd())
+    assert code == 0, f"exit {code} (-9 or 124: stopped after {timeout}s):\n{text[-6000:]}"
     return seconds
 
 
@@ -85,9 +87,19 @@ def seed_checkpoint(module: str, config: str, flags: list[str], out: str, env: d
     return f"--checkpoint.initial_load_path={out}/checkpoint/step-0"
 
 
-def _forked(ranks: int) -> list[str]:
-    return [
-        sys.executable,
+def _clear(out: str) -> None:
+    for stale in glob.glob(f"{glob.escape(out)}.*"):
+        if not stale.endswith(".log"):
+            os.remove(stale)  # what a run that lost the race recorded
+
+
+def _forked(
+    ranks: int, args: list[str], out: str, timeout: float, env: dict[str, str], cwd: str
+) -> tuple[float, int, str]:
+    """The ranks forked by ``forked_ranks.py``, itself started from this process's fork server
+    (torch and streaming imported there already: it imports only TorchTitan)."""
+    _clear(out)
+    script = [
         os.path.join(SUPPORT, "forked_ranks.py"),
         "--import",
         "collective_loader.integrations.titan_cpu:patch_process",
@@ -95,34 +107,37 @@ def _forked(ranks: int) -> list[str]:
         "torchtitan.train",
         "--tee",
         str(ranks),
+        *args,
     ]
+    start = time.perf_counter()
+    code, text = run_from_fork_server(script, None, cwd, timeout, env)
+    with open(f"{out}.log", "w") as log:
+        log.write(text)
+    return time.perf_counter() - start, code, f"forked_ranks.py {' '.join(script[1:])}\n{text}"
 
 
-def _torchrun(ranks: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--tee=3"]
-
-
-STARTERS = {"forked": _forked, "torchrun": _torchrun}  # what starts the ranks: `launcher=`
-
-
-def _run(
-    cmd: list[str], out: str, timeout: float, env: dict[str, str] | None, cwd: str | None
+def _torchrun(
+    ranks: int, args: list[str], out: str, timeout: float, env: dict[str, str], cwd: str
 ) -> tuple[float, int, str]:
-    for stale in glob.glob(f"{glob.escape(out)}.*"):
-        if not stale.endswith(".log"):
-            os.remove(stale)  # what a run that lost the race recorded
-    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, SUPPORT]), **(env or {})}
+    """torchrun itself, in a session of its own."""
+    _clear(out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--tee=3", *args]
     start = time.perf_counter()
     with open(f"{out}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=cwd, start_new_session=True
+        )
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)  # the launcher and every rank it started
+            kill_tree(proc.pid)  # torchrun and every rank it started
             proc.wait()
     with open(f"{out}.log") as log:
         text = log.read()
     return time.perf_counter() - start, proc.returncode, f"{' '.join(cmd)}\n{text}"
+
+
+STARTERS = {"forked": _forked, "torchrun": _torchrun}  # what starts the ranks: ``launcher=``
 
 
 def flag(flags: list[str] | tuple[str, ...], name: str) -> str | None:
