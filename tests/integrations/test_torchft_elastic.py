@@ -4,7 +4,7 @@ global batch (``tests/support/ft_job.py`` checks the ranks' logs and the final w
 same with packed rows of MDS documents that each group's leaders read with a real
 ``StreamingDataset``: every token of every document once, in the order's sequence.
 
-Each group is a 2-rank ``torchrun`` job (tp=2 or dp_shard=2) training ``nn.Linear`` under
+Each group is a 2-rank job (tp=2 or dp_shard=2; its ranks forked with torchrun's environment) training ``nn.Linear`` under
 torchft's ``Manager`` on ``QuorumData``; the lighthouse runs in the test on 127.0.0.1. The kill
 point (step, and phase: before, during or after the gradient all-reduce) is drawn from a seed.
 """
@@ -21,7 +21,7 @@ pytest.importorskip("torchft")
 from ft_job import FtJob, check  # noqa: E402
 
 PHASES = ("before", "during", "after")
-STARTUP = 120.0  # seconds for a torchrun group to start and commit on 2 loaded cores
+STARTUP = 120.0  # seconds for a group to start and commit on 2 loaded cores
 
 
 def kill_point(seed: int, phase: str | None = None) -> str:

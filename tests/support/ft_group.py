@@ -1,4 +1,4 @@
-"""One rank of a torchft replica group (a ``torchrun --nproc-per-node 2`` job): a tiny model trained
+"""One rank of a torchft replica group (a 2-rank job, as ``torchrun --nproc-per-node 2`` runs it): a tiny model trained
 under torchft's ``Manager`` on ``QuorumData``, every step logged for
 ``tests/integrations/test_torchft_elastic.py``.
 

@@ -1,5 +1,6 @@
-"""A torchft job for the tests: a lighthouse on 127.0.0.1, replica groups as ``torchrun`` jobs of
-``ft_group.py`` that the test starts, kills (SIGKILL, whole process trees) and restarts, and the
+"""A torchft job for the tests: a lighthouse on 127.0.0.1, replica groups as 2-rank jobs of
+``ft_group.py`` (started as torchrun starts them, by ``forked_ranks.py``) that the test starts,
+kills (SIGKILL, whole process trees) and restarts, and the
 check of what every rank logged: over the committed steps of the surviving lineage, every sample
 once (or, with packed rows of MDS documents, every token of every document once), in the global
 order, the global batch constant, tp peers identical, labels of their inputs, and the final
@@ -70,7 +71,7 @@ class FtJob:
         self._watchers: list[threading.Thread] = []
 
     def start(self, group: str, stop_at: str = "", start_with: int = 0, standby: bool = False) -> None:
-        """Start group ``group`` (a 2-rank torchrun job); ``stop_at="k:phase"`` makes it stop in
+        """Start group ``group`` (a 2-rank job); ``stop_at="k:phase"`` makes it stop in
         the k-th step it takes part in, and wait to be killed; ``start_with``: the number of
         groups started together, which wait for each other before their first step. A
         ``standby`` waits, its processes started, until :meth:`release` lets it join: a group
@@ -94,8 +95,9 @@ class FtJob:
             FT_SEQ=str(self.seq_len),
             PYTHONPATH=os.pathsep.join([str(REPO), str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
         )
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        cmd += ["--max-restarts", "0", str(WORKER)]
+        # its 2 ranks forked after the imports, with torchrun's workers' environment: torchrun's
+        # agent and each rank would import torch (and torchft, streaming) again, 10 s of CPU each
+        cmd = [sys.executable, str(WORKER.with_name("forked_ranks.py")), "--import", "torchft", "2", str(WORKER)]
         output = open(self.root / f"output_{group}.txt", "a")
         proc = subprocess.Popen(cmd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         with self._lock:
@@ -122,7 +124,7 @@ class FtJob:
         self.store.set(f"go_{group}", "")
 
     def kill(self, group: str) -> None:
-        """SIGKILL every process of ``group`` (torchrun's agent and its ranks, in their sessions)."""
+        """SIGKILL every process of ``group`` (the ranks and the process that forked them)."""
         with self._lock:
             proc = self.groups.pop(group)
         kill_tree(proc.pid)
