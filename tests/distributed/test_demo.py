@@ -7,10 +7,13 @@ import math
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
-from processes import run_group
+from processes import run_group, runs_in_background
 
 from collective_loader.cli.args import parse_mesh
 from collective_loader.cli.report import verdicts
@@ -42,6 +45,7 @@ UNDER_TORCHRUN = (
 REMOTE = (*QUICKSTART, "--remote", "--mesh", "pp=2,dp=2", "--samples", "32")
 MIX = (*QUICKSTART, "--mix", "--mesh", "pp=2,dp=2")
 RUN_HERE = (QUICKSTART, MIDDLE_STAGES, UNDER_TORCHRUN, REMOTE, MIX)
+MESHES = ("pp=3,dp=2", "pp=4,dp=2")  # test_demo_with_middle_stages_outside_delivery's; the second is slow
 
 
 def _run(cmd: list[str]) -> str:
@@ -50,10 +54,45 @@ def _run(cmd: list[str]) -> str:
     return proc.stdout
 
 
+def _runs() -> dict[str, Callable[[], Any]]:
+    """Each test's demo run, by test (in the module's order)."""
+    middle = {mesh: partial(_run, [sys.executable, *QUICKSTART, "--mesh", mesh, "--samples", "48"]) for mesh in MESHES}
+    return {
+        "test_demo_default_shows_the_naive_mismatch_and_ours_clean": partial(_run, [sys.executable, *QUICKSTART]),
+        "test_demo_mix_follows_the_schedule_in_tokens_where_streaming_proportions_do_not": partial(
+            _run, [sys.executable, *MIX]
+        ),
+        **{f"test_demo_with_middle_stages_outside_delivery[{mesh}]": run for mesh, run in middle.items()},
+        "test_a_failing_naive_run_is_reported_in_one_line_and_the_verdict_judges_ours": partial(
+            _failing_demo, "naive", 3
+        ),
+        "test_a_rank_failing_in_the_report_ends_every_rank": partial(_failing_demo, "report", 0),
+        "test_demo_local_world_with_middle_stages": partial(
+            _run, [sys.executable, *QUICKSTART, "--mesh", "pp=3,dp=1,cp=2", "--samples", "48"]
+        ),
+        "test_demo_under_torchrun": partial(_run, [sys.executable, *UNDER_TORCHRUN]),
+        "test_demo_remote_only_leaders_fetch_from_the_endpoint": partial(run_group, [sys.executable, *REMOTE], 170),
+    }
+
+
+@pytest.fixture(scope="module")
+def demo_runs(request):
+    """The module's demo runs, two at a time from its first test on (each leaves a core idle
+    while its processes import torch and streaming one after another)."""
+    with runs_in_background(request, _runs()) as runs:
+        yield runs
+
+
+@pytest.fixture
+def result(demo_runs, request):
+    """What this test's demo run gave (``_runs``)."""
+    return demo_runs[request.node.name].result()
+
+
 @pytest.mark.timeout(420)
-def test_demo_default_shows_the_naive_mismatch_and_ours_clean():
+def test_demo_default_shows_the_naive_mismatch_and_ours_clean(result):
     """The Quickstart's command as it stands (256 samples on pp=2,dp=2,tp=2)."""
-    out = _run([sys.executable, *QUICKSTART])
+    out = result
     assert "all checks passed" in out and out.count("[ok]") == 5
     assert re.search(r"naive, every rank builds StreamingDataset\(replication=2\): 100\.0%", out), out
     assert re.search(r"collective_loader: +0\.0% \(0 of \d+", out), out
@@ -61,11 +100,11 @@ def test_demo_default_shows_the_naive_mismatch_and_ours_clean():
 
 
 @pytest.mark.timeout(420)
-def test_demo_mix_follows_the_schedule_in_tokens_where_streaming_proportions_do_not():
+def test_demo_mix_follows_the_schedule_in_tokens_where_streaming_proportions_do_not(result):
     """docs/mixtures.md's demo: three sources tenfold apart in document length, a two-phase
     schedule; every 8-step window within the allocator's bound, each phase's shares within 0.01 of
     the target, and streaming's Stream(proportion=) far from it on the long source."""
-    out = _run([sys.executable, *MIX])
+    out = result
     assert "all checks passed" in out, out
     for phase in re.findall(r"phase \d \(steps [\d-]+\): (.*)", out):
         for name, target, ours, theirs in re.findall(r"(\w+) ([\d.]+) / ([\d.]+) / ([\d.]+)", phase):
@@ -74,15 +113,15 @@ def test_demo_mix_follows_the_schedule_in_tokens_where_streaming_proportions_do_
                 assert float(theirs) - float(target) > 0.3, (name, phase)  # streaming's: samples, not tokens
 
 
-@pytest.mark.parametrize("mesh", ["pp=3,dp=2", pytest.param("pp=4,dp=2", marks=pytest.mark.slow)])
-def test_demo_with_middle_stages_outside_delivery(mesh):
+@pytest.mark.parametrize("mesh", [MESHES[0], pytest.param(MESHES[1], marks=pytest.mark.slow)])
+def test_demo_with_middle_stages_outside_delivery(mesh, result):
     """Middle stages get nothing (no every_stage keys): they are outside delivery, iterate through
     their leader's bulletin, and see the same steps; the default placement puts replica 1's leader
     on the last stage, and the report counts each replica's samples on its first stage."""
     dims, shape = parse_mesh(mesh)
     layout = MeshLayout.build(dims, shape, range(math.prod(shape)))
     assert [layout.place(r).stage for r in layout.leaders()] == ["first", "last"]
-    out = _run([sys.executable, *QUICKSTART, "--mesh", mesh, "--samples", "48"])
+    out = result
     assert "all checks passed" in out and out.count("[ok]") == 5, out
     assert "samples per replica: {0: 24, 1: 24}" in out, out
     assert re.search(r"middle stage, dp_rank 1 +\{\} \(nothing: middle stage\)", out), out
@@ -117,10 +156,10 @@ def _failing_demo(phase: str, rank: int) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_failing_naive_run_is_reported_in_one_line_and_the_verdict_judges_ours():
+def test_a_failing_naive_run_is_reported_in_one_line_and_the_verdict_judges_ours(result):
     """Rank 3 raises inside the naive run (between streaming's barriers): the demo says so in one
     line, on the comparison's line, and exits 0 on our loader's checks."""
-    proc = _failing_demo("naive", 3)
+    proc = result
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = (
         "not compared, the naive run failed (not part of the verdict): rank 3 failed in the naive run: "
@@ -130,10 +169,10 @@ def test_a_failing_naive_run_is_reported_in_one_line_and_the_verdict_judges_ours
 
 
 @pytest.mark.slow  # test_two_nodes runs the report's failure over two nodes by default
-def test_a_rank_failing_in_the_report_ends_every_rank():
+def test_a_rank_failing_in_the_report_ends_every_rank(result):
     """Rank 0 raises in its report: every rank says which rank failed where and exits non-zero,
     at once (torchrun would stop them after 5 s)."""
-    proc = _failing_demo("report", 0)
+    proc = result
     assert proc.returncode != 0, proc.stdout + proc.stderr
     for r in range(1, 4):
         line = f"rank {r}: rank 0 failed in the report: KeyError: 'injected by failing_demo.py'"
@@ -141,14 +180,14 @@ def test_a_rank_failing_in_the_report_ends_every_rank():
 
 
 @pytest.mark.slow  # 37-52 s; middle stages are in the default run through test_delivery
-def test_demo_local_world_with_middle_stages():
-    out = _run([sys.executable, "-m", "collective_loader", "demo", "--mesh", "pp=3,dp=1,cp=2", "--samples", "48"])
+def test_demo_local_world_with_middle_stages(result):
+    out = result
     assert "middle stage" in out and "all checks passed" in out
     assert out.count("[ok]") == 5
 
 
-def test_demo_under_torchrun():
-    out = _run([sys.executable, *UNDER_TORCHRUN])
+def test_demo_under_torchrun(result):
+    out = result
     assert "all checks passed" in out and out.count("[ok]") == 5, out
 
 
@@ -156,8 +195,8 @@ FETCHED = re.compile(r"^ *(\d+)  (leader)? +(\d+) requests +([\d.]+) KiB +(\d+) 
 
 
 @pytest.mark.timeout(180)
-def test_demo_remote_only_leaders_fetch_from_the_endpoint():
-    returncode, out, err = run_group([sys.executable, *REMOTE], timeout=170)
+def test_demo_remote_only_leaders_fetch_from_the_endpoint(result):
+    returncode, out, err = result
     assert returncode == 0, out + err
     # pp=2,dp=2, default placement: replica 0's leader on the first stage (rank 0), replica 1's on the last (rank 3)
     assert "all checks passed" in out and "[ok] in collective_loader's run only leaders [0, 3] fetched" in out, out

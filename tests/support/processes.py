@@ -1,5 +1,5 @@
 """A command run in a session of its own, killed whole (every process it started, in whatever
-session) when it runs past its time."""
+session) when it runs past its time; a module's long commands run two at a time."""
 
 from __future__ import annotations
 
@@ -7,8 +7,13 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import pytest
+
+T = TypeVar("T")
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -84,3 +89,18 @@ def run_group(cmd: Sequence[str], timeout: float, **popen: Any) -> tuple[int, st
         e.output, e.stderr = proc.communicate()
         raise
     return proc.returncode, out, err
+
+
+@contextlib.contextmanager
+def runs_in_background(
+    request: pytest.FixtureRequest, runs: dict[str, Callable[[], T]], at_once: int = 2
+) -> Iterator[dict[str, Future[T]]]:
+    """A module fixture's body: ``runs[name]()`` for each test ``name`` of the module that this
+    session selected, ``at_once`` at a time in threads from the start, in the order of ``runs``;
+    yields each selected test's ``Future``, whose ``result()`` the test awaits. Commands that each
+    leave a core idle for long (processes importing torch and streaming one after another) then
+    fill both cores of this machine. Leaving the fixture waits for every run.
+    """
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    with ThreadPoolExecutor(at_once) as pool:
+        yield {name: pool.submit(run) for name, run in runs.items() if name in selected}
