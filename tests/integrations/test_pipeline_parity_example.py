@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+from functools import partial
 
 import pytest
-from processes import run_group
+from processes import run_group, runs_in_background
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "pipeline_parity.py")
 # one line per case, schedule and set-up: "... worst relative gap <gap>", or "... fails: <each pp rank's error>"
@@ -43,20 +44,36 @@ def _assert_parity(lines, want_runs) -> None:
             assert float(gap) > 0.1, (case, schedule, gap)  # labels of other samples: the loss stays high
 
 
-@pytest.mark.timeout(600)
-def test_training_matches_single_process_and_naive_diverges():
+@pytest.fixture(scope="module")
+def default_runs(request):
+    """The two default runs at once (each leaves a core idle while its processes import torch,
+    TorchTitan and streaming one after another); each test awaits its own."""
+    runs = {
+        "test_training_matches_single_process_and_naive_diverges": partial(
+            _run, ["--case", "pp2-dp2", "--schedule", "GPipe"], 600
+        ),
+        "test_v_schedule_matches_single_process_and_naive_fails": partial(
+            _run, ["--case", "pp2-v", "--schedule", "ZBVZeroBubble"], 600
+        ),
+    }
+    with runs_in_background(request, runs) as started:
+        yield started
+
+
+@pytest.mark.timeout(900)
+def test_training_matches_single_process_and_naive_diverges(default_runs, request):
     """The default run: one loop case, the cheapest (pp=2 x dp=2, GPipe; with DTensor tp=2 it took
     200 s here); the other loop cases are in the slow variants, the V case has its own test."""
-    _assert_parity(_run(["--case", "pp2-dp2", "--schedule", "GPipe"], timeout=600), [("pp2-dp2", "GPipe")])
+    _assert_parity(default_runs[request.node.name].result(), [("pp2-dp2", "GPipe")])
 
 
-@pytest.mark.timeout(600)
-def test_v_schedule_matches_single_process_and_naive_fails():
+@pytest.mark.timeout(900)
+def test_v_schedule_matches_single_process_and_naive_fails(default_runs, request):
     """The default V run: pp=2 x dp=2 with FSDP2, two stages per pp rank in a V under
     ZBVZeroBubble: the loader, built with stage_style="v" and the schedule, gives pp rank 0 both
     the inputs and the labels, and pp rank 1 (a middle stage) never iterates it. DualPipeV is in
     the slow variant."""
-    _assert_parity(_run(["--case", "pp2-v", "--schedule", "ZBVZeroBubble"], timeout=600), [("pp2-v", "ZBVZeroBubble")])
+    _assert_parity(default_runs[request.node.name].result(), [("pp2-v", "ZBVZeroBubble")])
 
 
 @pytest.mark.slow
