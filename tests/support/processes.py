@@ -101,6 +101,6 @@ def runs_in_background(
     leave a core idle for long (processes importing torch and streaming one after another) then
     fill both cores of this machine. Leaving the fixture waits for every run.
     """
-    selected = {item.name for item in request.session.items if item.module is request.module}
+    selected = {item.name for item in request.session.items if item.path == request.path}
     with ThreadPoolExecutor(at_once) as pool:
         yield {name: pool.submit(run) for name, run in runs.items() if name in selected}
