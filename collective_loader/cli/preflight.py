@@ -21,8 +21,9 @@ from collective_loader.cli.args import DemoArgs, UsageError, first_line, parse_m
 from collective_loader.plan import sharding
 from collective_loader.plan.mesh import DEFAULT_ROLES, MeshLayout
 from collective_loader.plan.sharding import SplitName
-from collective_loader.text import TextColumn, TokenColumn, load_tokenizer
+from collective_loader.text import TextColumn, TokenColumn
 from collective_loader.text.layouts import INTEGER_TYPES, ColumnLayout
+from collective_loader.text.tokenizer import load_tokenizer
 
 SNIFFED = 64  # samples of --data read here: enough to tell a dtype, few enough to take no time
 # No tokenizer has 16 M tokens (the largest have about 256 K): ids beyond are bytes read as too

@@ -19,7 +19,6 @@ from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import TextColumn, TokenColumn
 from collective_loader.text.mixture import MixtureSchedule, Phase
 from collective_loader.text.packing import Packing
-from collective_loader.text.tokenizer import load_tokenizer
 
 __all__ = [
     "Balance",
@@ -29,5 +28,4 @@ __all__ = [
     "TextColumn",
     "TokenColumn",
     "lm_collate",
-    "load_tokenizer",
 ]

@@ -24,9 +24,9 @@ from collective_loader.testing.data import (
     write_text_documents,
     write_token_documents,
 )
-from collective_loader.text import TextColumn, TokenColumn, lm_collate, load_tokenizer
+from collective_loader.text import TextColumn, TokenColumn, lm_collate
 from collective_loader.text.layouts import INTEGER_TYPES
-from collective_loader.text.tokenizer import TextEncoder
+from collective_loader.text.tokenizer import TextEncoder, load_tokenizer
 
 IDS = [np.array([1, 2, 3, 100]), np.array([5]), np.array([7, 8, 9, 10, 11, 12, 120])]
 
