@@ -20,10 +20,11 @@ It trains when it exits 0 with a finite loss logged at every step up to its ``--
 stage: of pp rank 0 under a V schedule, ``titan_run.loss_rank``), the last below the first. A
 command that cannot run here (another launcher, an absolute path, no ``--training.steps``) fails,
 naming its place. A command shown twice (under both launchers) runs once. The commands on
-``collective_loader.integrations.titan_configs`` run by default (about a minute each on 2 cores, most
-of it starting 4 ranks), the others, and those with a V schedule (which test_titan_trainer's
-default ZBVZeroBubble run covers), are ``slow``. Each run has a timeout and is killed with every
-rank it started.
+``collective_loader.integrations.titan_configs`` run by default (20-30 s each on 2 cores), the
+others, and those with a V schedule (which test_titan_trainer's default ZBVZeroBubble run covers),
+are ``slow``. The selected runs go two at a time from the module's first test on; each has a
+timeout and is killed with every rank it started. The ranks start as ``titan_run`` starts them
+(forked with torchrun's environment; the seed checkpoint of the Trainer tests runs under torchrun).
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ import os
 import re
 import shlex
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 import titan_run
 import titan_text
+from processes import runs_in_background
 
 from collective_loader.integrations.titan import titan_stage_style
 
@@ -232,19 +235,36 @@ def _params() -> list:
     return params
 
 
-@pytest.mark.timeout(RUN_TIMEOUT + 120)
+def run_shown(command: Command, cwd: Path) -> str:
+    """Run ``command`` in ``cwd`` with the local files its flags name; the path of its log."""
+    write_inputs(command, cwd)
+    out = str(cwd / "run")
+    config = command.flag("--config") or ""
+    titan_run.torchrun(command.ranks, command.module, config, command.other_flags(), out, RUN_TIMEOUT, cwd=str(cwd))
+    return f"{out}.log"
+
+
+@pytest.fixture(scope="module")
+def shown_runs(request, tmp_path_factory):
+    """The selected commands' runs, two at a time from the module's first test on (each leaves a
+    core idle while its parent imports TorchTitan); each test awaits its own."""
+    runs = {
+        f"test_shown_titan_command_trains[{c.where}]": partial(run_shown, c, tmp_path_factory.mktemp("shown"))
+        for c in commands()
+        if isinstance(c, Command)
+    }
+    with runs_in_background(request, runs) as started:
+        yield started
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 120)
 @pytest.mark.parametrize("command", _params())
-def test_shown_titan_command_trains(command: Command | str, tmp_path: Path) -> None:
+def test_shown_titan_command_trains(command: Command | str, shown_runs, request) -> None:
     if isinstance(command, str):
         pytest.fail(command)
-    write_inputs(command, tmp_path)
-    out = str(tmp_path / "run")
-    config = command.flag("--config") or ""
-    titan_run.torchrun(
-        command.ranks, command.module, config, command.other_flags(), out, RUN_TIMEOUT, cwd=str(tmp_path)
-    )
+    log = shown_runs[request.node.name].result()
     steps = int(command.flag("--training.steps") or 0)
-    logged = losses(f"{out}.log", command.loss_rank)
+    logged = losses(log, command.loss_rank)
     assert sorted(logged) == list(range(1, steps + 1)), f"{command.where}: steps logged {sorted(logged)}"
     assert all(math.isfinite(v) for v in logged.values()), logged
     assert logged[steps] < logged[1], f"{command.where}: the loss did not fall: {logged}"

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,16 +211,27 @@ def data(tmp_path_factory) -> Data:
 
 
 @pytest.fixture(scope="module")
-def reference(data) -> Run:
-    """pp=1 x dp_shard=2: the losses the other parallelisms must not change."""
-    return train(data, "pp1-dp2", flags=("--checkpoint.load_only",))
+def first_runs(data) -> Iterator[dict[str, Future[Run]]]:
+    """The two runs most tests compare, at once: each leaves a core idle while its parent imports
+    TorchTitan and its ranks build the model."""
+    with ThreadPoolExecutor(2) as pool:
+        yield {
+            "reference": pool.submit(train, data, "pp1-dp2", flags=("--checkpoint.load_only",)),
+            "pipelined": pool.submit(train, data, "pp2-dp2", pp=2, flags=("--checkpoint.interval=4",)),
+        }
 
 
 @pytest.fixture(scope="module")
-def pipelined(data) -> Run:
+def reference(first_runs) -> Run:
+    """pp=1 x dp_shard=2: the losses the other parallelisms must not change."""
+    return first_runs["reference"].result()
+
+
+@pytest.fixture(scope="module")
+def pipelined(first_runs) -> Run:
     """pp=2 x dp_shard=2 with llama3_debugmodel's Interleaved1F1B, 4 micro-batches per step;
     TorchTitan's checkpointer saves step 4."""
-    return train(data, "pp2-dp2", pp=2, flags=("--checkpoint.interval=4",))
+    return first_runs["pipelined"].result()
 
 
 def global_batches(run: Run, per_step: int) -> list[list[int]]:
