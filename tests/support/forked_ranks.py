@@ -27,6 +27,7 @@ parent then imports only TorchTitan). torchrun itself is run by the demo and job
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import multiprocessing
 import os
@@ -113,6 +114,7 @@ def start(rank: int, size: int, port: int, target: list[str], tee: bool) -> tupl
                 os.dup2(write, 2)
             code = rank_main(rank, size, port, target)
         finally:
+            atexit._run_exitfuncs()  # as a process that python ran would at its exit (streaming frees its shared memory)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
@@ -202,6 +204,7 @@ def _served_rank(
     if port:
         os.environ.update(worker_environment(rank, size, port))
     code = run_as_main(target)
+    atexit._run_exitfuncs()  # a fork-server child exits without them; a program that python ran would not
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)
