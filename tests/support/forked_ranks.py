@@ -34,7 +34,6 @@ import os
 import runpy
 import selectors
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -45,16 +44,10 @@ from multiprocessing import connection
 import streaming  # noqa: F401  (imported once, here, for every rank)
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
-from processes import kill_tree
+from processes import free_port, kill_tree
 
 import collective_loader  # noqa: F401
 from collective_loader.testing import launch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_environment(rank: int, size: int, port: int) -> dict[str, str]:

@@ -33,7 +33,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = Path(__file__).resolve().parent
@@ -120,13 +120,6 @@ def require_namespaces() -> None:
     reason = namespaces_refused()
     if reason is not None:
         pytest.skip(reason)
-
-
-def free_port() -> int:
-    """A loopback port free now (another process may take it before the rendezvous does)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

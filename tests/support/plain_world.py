@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from processes import free_port
 
 
 @dataclass(frozen=True)
@@ -21,12 +22,6 @@ class Exited:
     code: int
     out: str
     err: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_plain_world(script: str, size: int, args: Sequence[str], timeout: float) -> list[Exited]:
