@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 import ranks
@@ -32,6 +33,7 @@ from collective_loader.plan.mesh import MeshLayout
 from collective_loader.plan.routing import Routing
 from collective_loader.plan.split import RowSplit
 from collective_loader.streaming import StreamingSource
+from collective_loader.streaming.source import STALE_AFTER
 from collective_loader.testing import invariants
 from collective_loader.testing.data import INPUTS, LABELS, SEQ_DIMS, expected, write_dataset
 
@@ -300,6 +302,11 @@ def test_resume_after_the_whole_job_was_killed(worlds, data, tmp_path):
         for r in world.run(epochs, data, ("pp", "dp", "tp"), (2, 2, 2), timeout=180)
     ]
     world.run(checkpoint_then_die, data, str(tmp_path), 3, 6, dying=frozenset(range(8)), timeout=180)
+    # clean_stale keeps a block changed in the last STALE_AFTER seconds (it may be another job's,
+    # created a moment ago): a restart comes later than that, as the scheduler's would
+    changed = [os.stat(os.path.join("/dev/shm", n)).st_ctime for n in leftovers() if not n.endswith("filelock")]
+    assert changed, "the killed job should have left streaming's shared memory behind"
+    time.sleep(max(0.0, max(changed) + STALE_AFTER + 0.1 - time.time()))
     tails = world.run(resume_after_kill, data, str(tmp_path), timeout=240)  # a fresh world
     for rank in range(8):
         with open(tmp_path / f"ids_{rank}.jsonl") as f:
