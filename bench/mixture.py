@@ -91,7 +91,9 @@ def write_data(root: str) -> tuple[dict[str, str], dict[str, float]]:
 
 def schedule_of(case: str, steps: int, dp: int) -> Any:
     """Case ``case``'s schedule for a run of ``steps`` steps at ``dp`` (streaming's mix: ``A``)."""
-    from collective_loader.text import MixtureSchedule, Phase
+    from collective_loader.text import MixtureSchedule
+
+    Phase = MixtureSchedule.Phase
 
     per_step = dp * ROWS * SEQ_LEN  # the progress of one step: real tokens over every replica
     if case in ("a", "streaming"):

@@ -25,7 +25,7 @@ from collective_loader.loader import CollectiveLoader
 from collective_loader.plan.mesh import mesh_place
 from collective_loader.streaming import MixtureSource, StreamingSource
 from collective_loader.testing.data import write_token_documents
-from collective_loader.text import MixtureSchedule, Packing, Phase, TokenColumn
+from collective_loader.text import MixtureSchedule, Packing, TokenColumn
 from collective_loader.text.packing import IGNORE_INDEX
 
 # name -> (first token value, document lengths low-high): lengths tenfold apart
@@ -64,7 +64,12 @@ def mix_main(a: DemoArgs) -> int:
     common |= dict(placement=a.placement, shuffle=True, shuffle_seed=SHUFFLE_SEED)
     paths = {name: os.path.join(a.data, name) for name in SOURCES}
     # FIRST in tokens, then, after STEPS steps, SECOND (a step change)
-    schedule = MixtureSchedule((Phase(0, FIRST), Phase(STEPS * place.dp_size * a.batch_size * a.seq_len, SECOND)))
+    schedule = MixtureSchedule(
+        (
+            MixtureSchedule.Phase(0, FIRST),
+            MixtureSchedule.Phase(STEPS * place.dp_size * a.batch_size * a.seq_len, SECOND),
+        )
+    )
     mixture = MixtureSource(mesh, {n: {"local": p} for n, p in paths.items()}, schedule, clean_stale=True, **common)
     keys: dict[str, Any] = dict(inputs=("input_ids", "position_ids"), delivery=a.delivery, placement=a.placement)
     ours = _counts(CollectiveLoader(mixture, mesh, labels=("labels", "source_id"), **keys))

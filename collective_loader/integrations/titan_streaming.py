@@ -1,7 +1,7 @@
 """An MDS dataset read on one leader per data-parallel replica, as TorchTitan's dataloader.
 
-:class:`TitanStreamingDataLoader` is the ``--dataloader`` of
-:func:`~collective_loader.integrations.titan_trainer.load_mds_once_per_replica`: a ``StreamingDataset``
+:class:`TitanStreamingDataLoader` is the ``--dataloader`` of a config passed through
+:func:`~collective_loader.integrations.titan_trainer.load_once_per_replica`: a ``StreamingDataset``
 in any of LLM Foundry's layouts (token ids as bytes or ndarray, or text the leaders tokenize with
 the Trainer's tokenizer and pack), its batches delivered to every rank of the replica; or, with
 ``--dataloader.mixture FILE``, several such datasets packed and mixed on a schedule
@@ -181,7 +181,7 @@ class TitanStreamingDataLoader(TitanDataLoader, BaseDataLoader):
             raise ValueError(
                 "TitanStreamingDataLoader needs TorchTitan's mesh, which the Trainer does not pass to "
                 "dataloaders: build the trainer from collective_loader.integrations.titan_trainer.TitanTrainer.Config "
-                "(load_mds_once_per_replica(config) does), or give it the mesh: with_mesh(config, mesh)"
+                "(load_once_per_replica(config) does), or give it the mesh: with_mesh(config, mesh)"
             )
         if not config.dataset_path and config.mixture is None:
             raise ValueError(

@@ -1,11 +1,16 @@
 """TorchTitan 0.3's Trainer with its data loaded once per data-parallel replica: config functions.
 
 For your own config function, one line keeps its dataloaders and builds them on one leader per
-replica (:func:`load_once_per_replica`), or replaces the dataloader with an MDS dataset read by the
-leaders (:func:`load_mds_once_per_replica`, :class:`~.titan_streaming.TitanStreamingDataLoader`)::
+replica (:func:`load_once_per_replica`); for an MDS dataset read by the leaders, set the dataloader to
+a :class:`~.titan_streaming.TitanStreamingDataLoader` config first::
 
     def my_run():
         return load_once_per_replica(llama3_8b())
+
+    def my_mds_run():
+        config = llama3_8b()
+        config.dataloader = TitanStreamingDataLoader.Config(dataset_path="/data/mds")
+        return load_once_per_replica(config)
 
 TorchTitan builds its dataloader with ``config.dataloader.build(dp_world_size=, dp_rank=,
 tokenizer=, seq_len=, local_batch_size=, snapshot_every_n_steps=)``, without the mesh, which the
@@ -33,10 +38,9 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer
 
 from collective_loader.integrations.titan import DATA_MESH, titan_stage_style
-from collective_loader.integrations.titan_streaming import TitanStreamingDataLoader
 from collective_loader.integrations.titan_wrap import NeedsMesh, with_mesh, wrap_dataloader
 
-__all__ = ["load_mds_once_per_replica", "load_once_per_replica"]
+__all__ = ["load_once_per_replica"]
 
 
 class CollectiveMesh:
@@ -124,30 +128,22 @@ def load_once_per_replica(config: Trainer.Config) -> Trainer.Config:
     """``config`` with its dataloaders (``dataloader`` and ``validator.dataloader``) built on one
     leader per data-parallel replica and delivered to every rank of it (:func:`~.titan_wrap.wrap_dataloader`),
     and its trainer extended to hand them the mesh (:func:`collective_trainer_config`). Their
-    classes and fields are kept, so ``--dataloader.<field>`` works as before.
+    classes and fields are kept, so ``--dataloader.<field>`` works as before. A dataloader that
+    delivers collectively itself (``TitanStreamingDataLoader``, an MDS dataset read on the leaders)
+    is kept as it is.
 
     >>> from torchtitan.models.llama3.config_registry import llama3_debugmodel
     >>> c = load_once_per_replica(llama3_debugmodel())
     >>> type(c).__qualname__, type(c.dataloader).__qualname__, c.dataloader.dataset
     ('TitanTrainer.Config', 'ReplicaDataLoader[HuggingFaceTextDataLoader.Config]', 'c4_test')
+    >>> from collective_loader.integrations.titan_streaming import TitanStreamingDataLoader
+    >>> c = llama3_debugmodel()
+    >>> c.dataloader = TitanStreamingDataLoader.Config(dataset_path="/data/mds")
+    >>> type(load_once_per_replica(c).dataloader).__qualname__
+    'TitanStreamingDataLoader.Config'
     """
     config = collective_trainer_config(config)
     config.dataloader = wrap_dataloader(config.dataloader)
     if isinstance(config.validator, Validator.Config):
         config.validator.dataloader = wrap_dataloader(config.validator.dataloader)
-    return config
-
-
-def load_mds_once_per_replica(config: Trainer.Config, **dataloader: Any) -> Trainer.Config:
-    """``config`` with its trainer extended (:func:`collective_trainer_config`) and its dataloader
-    replaced by ``TitanStreamingDataLoader.Config(**dataloader)``: an MDS dataset read on one leader
-    per replica. (:func:`load_once_per_replica` instead keeps the config's own dataloader.)
-
-    >>> from torchtitan.models.llama3.config_registry import llama3_debugmodel
-    >>> c = load_mds_once_per_replica(llama3_debugmodel(), dataset_path="/data/mds")
-    >>> type(c).__qualname__, c.dataloader.dataset_path, c.training.seq_len
-    ('TitanTrainer.Config', '/data/mds', 2048)
-    """
-    config = collective_trainer_config(config)
-    config.dataloader = TitanStreamingDataLoader.Config(**dataloader)
     return config

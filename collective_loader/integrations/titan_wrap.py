@@ -122,7 +122,7 @@ def check_degree(loader: str, saved: int | None, dp_world_size: int) -> None:
     >>> check_degree("HuggingFaceTextDataLoader", 2, 1)
     Traceback (most recent call last):
     ...
-    ValueError: the HuggingFaceTextDataLoader state was saved with 2 data-parallel ranks and this run has 1: its state is each DP rank's own iterator position in its share of the data (a per-rank iterator state), which cannot be split over another number of ranks; resume on 2 data-parallel ranks, or start the dataloader afresh (--checkpoint.exclude_from_loading dataloader); an MDS dataset read by load_mds_once_per_replica resumes on any DP degree
+    ValueError: the HuggingFaceTextDataLoader state was saved with 2 data-parallel ranks and this run has 1: its state is each DP rank's own iterator position in its share of the data (a per-rank iterator state), which cannot be split over another number of ranks; resume on 2 data-parallel ranks, or start the dataloader afresh (--checkpoint.exclude_from_loading dataloader); an MDS dataset read by TitanStreamingDataLoader resumes on any DP degree
     """
     if saved is None or saved == dp_world_size:
         return
@@ -130,7 +130,7 @@ def check_degree(loader: str, saved: int | None, dp_world_size: int) -> None:
         f"the {loader} state was saved with {saved} data-parallel ranks and this run has {dp_world_size}: its state is "
         "each DP rank's own iterator position in its share of the data (a per-rank iterator state), which cannot be "
         f"split over another number of ranks; resume on {saved} data-parallel ranks, or start the dataloader afresh "
-        "(--checkpoint.exclude_from_loading dataloader); an MDS dataset read by load_mds_once_per_replica resumes on "
+        "(--checkpoint.exclude_from_loading dataloader); an MDS dataset read by TitanStreamingDataLoader resumes on "
         "any DP degree"
     )
 

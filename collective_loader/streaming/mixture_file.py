@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from collective_loader.text.mixture import MixtureSchedule, Phase
+from collective_loader.text.mixture import MixtureSchedule
 
 WhenExhausted = Literal["end", "repeat", "stop"]
 WHEN_EXHAUSTED = ("end", "repeat", "stop")
@@ -64,12 +64,12 @@ def schedule_from_mapping(data: Any, where: str = "mixture schedule") -> Mixture
         raise ValueError(f"{where}: {e}") from None
 
 
-def _phase(i: int, raw: Any) -> Phase:
+def _phase(i: int, raw: Any) -> MixtureSchedule.Phase:
     try:
         _known(raw, ("ramp", "start", "weights"))
         if "start" not in raw or "weights" not in raw:
             raise ValueError("missing start or weights")
-        return Phase(raw["start"], raw["weights"], raw.get("ramp", 0.0))
+        return MixtureSchedule.Phase(raw["start"], raw["weights"], raw.get("ramp", 0.0))
     except ValueError as e:
         raise ValueError(f"phase {i}: {e}") from None
 

@@ -10,21 +10,20 @@
 * :mod:`~collective_loader.text.rows`: :class:`PackedRows`, a packing leader's epoch and its cursor;
 * :mod:`~collective_loader.text.resume`: the hand-over that makes a resume exact;
 * :mod:`~collective_loader.text.collate`: :func:`lm_collate` for rows written whole;
-* :mod:`~collective_loader.text.mixture`: a mixture's :class:`MixtureSchedule` (its :class:`Phase` list) and
+* :mod:`~collective_loader.text.mixture`: a mixture's :class:`MixtureSchedule` (its ``MixtureSchedule.Phase`` list) and
   the :class:`~collective_loader.text.mixture.Allocation` that names each packed row's source.
 """
 
 from collective_loader.text.balance import Balance
 from collective_loader.text.collate import lm_collate
 from collective_loader.text.layouts import TextColumn, TokenColumn
-from collective_loader.text.mixture import MixtureSchedule, Phase
+from collective_loader.text.mixture import MixtureSchedule
 from collective_loader.text.packing import Packing
 
 __all__ = [
     "Balance",
     "MixtureSchedule",
     "Packing",
-    "Phase",
     "TextColumn",
     "TokenColumn",
     "lm_collate",

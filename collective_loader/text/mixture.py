@@ -1,11 +1,12 @@
 """Data mixtures on a schedule, the pure core: which source each packed row of a step comes from.
 
 A :class:`MixtureSchedule` is each source's weight over progress (tokens or steps), as
-:class:`Phase`\\ s. An :class:`Allocation` holds the counters: ``allocate(progress, rows)`` names
+:class:`MixtureSchedule.Phase`\\ s. An :class:`Allocation` holds the counters: ``allocate(progress, rows)`` names
 the sources of a step's rows on every replica and returns the next allocation (counters in,
 counters out, no rank in it: every leader computes the same rows alone). The rule, its bound and
 proof, short rows and edits: ``docs/mixtures.md``.
 
+>>> Phase = MixtureSchedule.Phase
 >>> schedule = MixtureSchedule((Phase(0, {"web": 0.75, "code": 0.25}), Phase(1000, {"web": 0.5, "math": 0.5}, ramp=100)))
 >>> schedule.sources, schedule.weights_at(1050)
 (('code', 'math', 'web'), {'code': 0.125, 'math': 0.25, 'web': 0.625})
@@ -53,35 +54,6 @@ def _normalized(weights: Mapping[str, float], without: frozenset[str] = frozense
 
 
 @dataclass(frozen=True)
-class Phase:
-    """From ``start`` (in the schedule's unit) on, these ``weights`` (relative; a source absent or
-    at 0 is inactive), reached from the previous phase's linearly over ``ramp`` units (0: at once)."""
-
-    start: float
-    weights: Mapping[str, float]
-    ramp: float = 0.0
-
-    def __post_init__(self) -> None:
-        for field, value in (("start", self.start), ("ramp", self.ramp)):
-            if not _number(value) or value < 0:
-                raise ValueError(f"{field} must be a finite number >= 0, got {value!r}")
-        weights = self.weights if isinstance(self.weights, Mapping) else {}
-        bad = [f"{k!r}: {v!r}" for k, v in weights.items() if not (isinstance(k, str) and k and _number(v) and v >= 0)]
-        if bad or not any(v > 0 for v in weights.values()):
-            raise ValueError(
-                "weights must map source names to finite numbers >= 0, at least one positive; "
-                f"got {', '.join(bad) if bad else repr(self.weights)}"
-            )
-        object.__setattr__(self, "start", float(self.start))
-        object.__setattr__(self, "ramp", float(self.ramp))
-        object.__setattr__(self, "weights", MappingProxyType({k: float(v) for k, v in sorted(weights.items())}))
-
-    def describe(self) -> str:
-        weights = ", ".join(f"{k}: {v:g}" for k, v in self.weights.items())
-        return f"start {self.start:g}, ramp {self.ramp:g}, weights {{{weights}}}"
-
-
-@dataclass(frozen=True)
 class MixtureSchedule:
     """Each source's weight over progress, counted in ``unit``: ``"tokens"`` (real tokens trained
     over every replica) or ``"steps"`` (global steps); ``phases`` start at 0 and then increase.
@@ -90,12 +62,42 @@ class MixtureSchedule:
     {'code': 0.25, 'web': 0.75}
     """
 
+    @dataclass(frozen=True)
+    class Phase:
+        """From ``start`` (in the schedule's unit) on, these ``weights`` (relative; a source absent or
+        at 0 is inactive), reached from the previous phase's linearly over ``ramp`` units (0: at once)."""
+
+        start: float
+        weights: Mapping[str, float]
+        ramp: float = 0.0
+
+        def __post_init__(self) -> None:
+            for field, value in (("start", self.start), ("ramp", self.ramp)):
+                if not _number(value) or value < 0:
+                    raise ValueError(f"{field} must be a finite number >= 0, got {value!r}")
+            weights = self.weights if isinstance(self.weights, Mapping) else {}
+            bad = [
+                f"{k!r}: {v!r}" for k, v in weights.items() if not (isinstance(k, str) and k and _number(v) and v >= 0)
+            ]
+            if bad or not any(v > 0 for v in weights.values()):
+                raise ValueError(
+                    "weights must map source names to finite numbers >= 0, at least one positive; "
+                    f"got {', '.join(bad) if bad else repr(self.weights)}"
+                )
+            object.__setattr__(self, "start", float(self.start))
+            object.__setattr__(self, "ramp", float(self.ramp))
+            object.__setattr__(self, "weights", MappingProxyType({k: float(v) for k, v in sorted(weights.items())}))
+
+        def describe(self) -> str:
+            weights = ", ".join(f"{k}: {v:g}" for k, v in self.weights.items())
+            return f"start {self.start:g}, ramp {self.ramp:g}, weights {{{weights}}}"
+
     phases: tuple[Phase, ...]
     unit: Unit = "tokens"
 
     def __post_init__(self) -> None:
         phases = tuple(self.phases) if isinstance(self.phases, list) else self.phases
-        if not isinstance(phases, tuple) or not phases or not all(isinstance(p, Phase) for p in phases):
+        if not isinstance(phases, tuple) or not phases or not all(isinstance(p, MixtureSchedule.Phase) for p in phases):
             raise ValueError(f"phases must be a non-empty tuple of Phase, got {self.phases!r}")
         object.__setattr__(self, "phases", phases)
         if self.unit not in ("tokens", "steps"):
@@ -113,7 +115,7 @@ class MixtureSchedule:
     @classmethod
     def constant(cls, weights: Mapping[str, float], unit: Unit = "tokens") -> MixtureSchedule:
         """One phase: these weights throughout."""
-        return cls((Phase(0, weights),), unit)
+        return cls((cls.Phase(0, weights),), unit)
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -246,7 +248,7 @@ class Allocation:
         if not isinstance(state, Mapping) or not set(keys) <= state.keys() or state["version"] != STATE_VERSION:
             raise ValueError(f"mixture state: expected an Allocation.state_dict() of version {STATE_VERSION}")
         form = json.loads(state["schedule"])  # to_mapping's, checked when it was made
-        saved = MixtureSchedule(tuple(Phase(**phase) for phase in form["phase"]), form["unit"])
+        saved = MixtureSchedule(tuple(MixtureSchedule.Phase(**phase) for phase in form["phase"]), form["unit"])
         last, excluded = _progress(state["progress"]), frozenset(state["excluded"])
         at = last if progress is None else _progress(progress)
         if at < last:

@@ -36,7 +36,9 @@ from text_rows import row_tokens
 from collective_loader import CollectiveLoader, PerDocument
 from collective_loader.streaming import MixtureSource
 from collective_loader.testing.data import write_token_documents
-from collective_loader.text import MixtureSchedule, Packing, Phase, TokenColumn
+from collective_loader.text import MixtureSchedule, Packing, TokenColumn
+
+Phase = MixtureSchedule.Phase
 
 SEQ_LEN, GLOBAL_ROWS, GLOBAL_DOCS, RANKS = 32, 8, 16, 4
 # token ranges per source (uint16): which source a token came from is its range

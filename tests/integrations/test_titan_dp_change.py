@@ -73,7 +73,7 @@ def test_torchtitans_own_loaders_refuse_another_degree_saying_why_and_what_works
     text = str(refused.value)
     assert "saved with 2 data-parallel ranks and this run has 4" in text
     assert "per-rank iterator state" in text and "resume on 2 data-parallel ranks" in text
-    assert "--checkpoint.exclude_from_loading dataloader" in text and "load_mds_once_per_replica" in text
+    assert "--checkpoint.exclude_from_loading dataloader" in text and "TitanStreamingDataLoader" in text
 
 
 # --- the loader on a 2-rank world, through DCP -----------------------------------------------

@@ -32,7 +32,7 @@ from collective_loader.integrations import titan_configs
 from collective_loader.integrations.titan import titan_stage_style
 from collective_loader.integrations.titan_batches import titan_collate
 from collective_loader.integrations.titan_streaming import TitanStreamingDataLoader
-from collective_loader.integrations.titan_trainer import load_mds_once_per_replica
+from collective_loader.integrations.titan_trainer import load_once_per_replica
 from collective_loader.integrations.titan_wrap import with_mesh, wrap_dataloader
 
 SEQ, BATCH, DP = 64, 4, 2  # tokens per sample, TorchTitan's local batch, data-parallel replicas
@@ -66,7 +66,7 @@ def test_the_dataloader_config_names_what_to_change():
     with pytest.raises(ValueError, match="holds 5 tokens per sample and training.seq_len is 8.*--training.seq_len 4"):
         titan_collate([{"tokens": np.arange(5)}], seq_len=8)
     with pytest.raises(TypeError, match="TitanStreamingDataLoader.Config is not the config of a TorchTitan Trainer"):
-        load_mds_once_per_replica(TitanStreamingDataLoader.Config())
+        load_once_per_replica(TitanStreamingDataLoader.Config())
     with pytest.raises(AttributeError):
         titan_configs.llama3_no_such_config  # noqa: B018  --config names must be TorchTitan's config functions
     assert "llama3_8b" in dir(titan_configs)  # what TorchTitan lists when --config names none of them

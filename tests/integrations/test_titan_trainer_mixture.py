@@ -35,12 +35,13 @@ from collective_loader.integrations.titan_streaming import (
 )
 from collective_loader.integrations.titan_wrap import with_mesh
 from collective_loader.streaming import MixtureSource, StreamingSource
-from collective_loader.text import MixtureSchedule, Packing, Phase, TokenColumn
+from collective_loader.text import MixtureSchedule, Packing, TokenColumn
 from collective_loader.text.mixture import Allocation
 
 # the first 4 steps half and half, then 3/4 lower: the change falls on a training step's first
 # row (4 steps x DP replicas x BATCH rows x SEQ tokens), so pp=2's micro-batches see pp=1's weights
 SWITCH = 4 * DP * BATCH * SEQ
+Phase = MixtureSchedule.Phase
 SCHEDULE = MixtureSchedule((Phase(0, {"lower": 0.5, "upper": 0.5}), Phase(SWITCH, {"lower": 0.75, "upper": 0.25})))
 MIXTURE = """\
 unit = "tokens"

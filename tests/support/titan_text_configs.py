@@ -32,7 +32,8 @@ from torchtitan.hf_datasets.text_datasets import (
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.trainer import Trainer
 
-from collective_loader.integrations.titan_trainer import load_mds_once_per_replica, load_once_per_replica
+from collective_loader.integrations.titan_streaming import TitanStreamingDataLoader
+from collective_loader.integrations.titan_trainer import load_once_per_replica
 
 VALIDATION_FREQ, VALIDATION_STEPS = 4, 2
 
@@ -79,7 +80,9 @@ def _config(dataloader: Any) -> Recording.Config:
 
 def mds() -> Trainer.Config:
     """``TitanStreamingDataLoader`` (every field from ``--dataloader.*``), no validation."""
-    return load_mds_once_per_replica(_recording(llama3_debugmodel()))
+    config = _recording(llama3_debugmodel())
+    config.dataloader = TitanStreamingDataLoader.Config()
+    return load_once_per_replica(config)
 
 
 def text() -> Recording.Config:

@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from collective_loader.streaming.mixture_file import read_mixture, schedule_from_mapping, when_exhausted_of
-from collective_loader.text.mixture import Allocation, MixtureSchedule, Phase
+from collective_loader.text.mixture import Allocation, MixtureSchedule
+
+Phase = MixtureSchedule.Phase
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EPS = 1e-9
