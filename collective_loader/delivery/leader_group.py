@@ -9,6 +9,7 @@ waiting for each other before shared files are released. They go through a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -30,15 +31,23 @@ class LeaderGroup:
     the group's first leader, for errors (a group of the leaders of consecutive replicas, such as
     a block of :class:`~collective_loader.text.balance.Balance`'s ``replicas``).
 
+    What uses the group holds it (:meth:`hold`) and lets go when it closes (:meth:`release`); the
+    last to let go gives the group back to torch, so its gloo threads end while the interpreter is
+    alive (:meth:`~collective_loader.delivery.transport.Groups.release` says why that matters).
+
     Example (every rank builds it; only leaders use it)::
 
         leaders = LeaderGroup.build(layout.leaders(), timeout=600.0, name="streaming_leaders")
         if place.is_leader:
-            steps = leaders.gather(my_step)   # one entry per leader, in dp_rank order
+            stream_leaders = leaders.hold()
+            steps = stream_leaders.gather(my_step)   # one entry per leader, in dp_rank order
+            stream_leaders.release()                 # the group is given back: nobody else holds it
     """
 
     def __init__(self, group: dist.ProcessGroup | None, first_replica: int = 0) -> None:
         self.group, self.first_replica = group, first_replica
+        self._holders = 0
+        self._released = False
 
     @classmethod
     def build(cls, leaders: Sequence[int], timeout: float, name: str, first_replica: int = 0) -> LeaderGroup:
@@ -46,6 +55,31 @@ class LeaderGroup:
         if len(leaders) < 2:
             return cls(None, first_replica)
         return cls(new_group(sorted(leaders), "gloo", timeout, f"collective_loader:{name}"), first_replica)
+
+    def hold(self) -> LeaderGroup:
+        """Take the group for one user (a stream built from the source that built it); returns it.
+        ``RuntimeError`` once it was given back: a source's groups serve the one loader that
+        closed it."""
+        if self._released:
+            raise RuntimeError(
+                "this source's leaders' group was given back when the loader that used it closed: "
+                "build a new source for a new loader"
+            )
+        self._holders += 1
+        return self
+
+    def release(self) -> None:
+        """One user is done with the group; the last gives it back to torch (destroyed here, on
+        this leader; idempotent once given back)."""
+        if self._released:
+            return
+        self._holders -= 1
+        if self._holders > 0:
+            return
+        self._released = True
+        if self.group is not None:
+            with contextlib.suppress(ValueError):  # destroy_process_group() came first
+                dist.destroy_process_group(self.group)
 
     @property
     def rank(self) -> int:

@@ -99,9 +99,10 @@ class LeaderStreamingDataset:
             )
         from collective_loader.streaming.dataset import DownloadFailureRaisingDataset
 
-        with leaders_world(self._env, self._leaders.group):
+        leaders = self._leaders.hold()  # released when the dataset closes
+        with leaders_world(self._env, leaders.group):
             dataset = DownloadFailureRaisingDataset(**self._dataset_kwargs)
-        return StreamingByIndex(dataset, self._leaders)
+        return StreamingByIndex(dataset, leaders)
 
 
 class StreamingByIndex:
@@ -109,7 +110,7 @@ class StreamingByIndex:
 
     def __init__(self, dataset: Any, leaders: LeaderGroup) -> None:
         self.dataset: Any = dataset
-        self.leaders = leaders
+        self.leaders = leaders  # held for it (released at close)
 
     def __len__(self) -> int:
         return int(self.dataset.num_samples)  # streaming's len() is one rank's share of an epoch
@@ -123,4 +124,7 @@ class StreamingByIndex:
         if self.dataset is None:
             return
         dataset, self.dataset = self.dataset, None
-        release_together(dataset, self.leaders)
+        try:
+            release_together(dataset, self.leaders)
+        finally:
+            self.leaders.release()

@@ -178,7 +178,7 @@ class MixtureStream:
 
     def __init__(self, streams: Mapping[str, PackedStream], mix: MixtureSource, agreement: LeaderGroup | None) -> None:
         self.sources = {name: _SourceRows(streams[name]) for name in sorted(streams)}
-        self.mix, self.agreement = mix, agreement
+        self.mix, self.agreement = mix, None if agreement is None else agreement.hold()
         self.dp_rank, self.dp_size = mix.place.dp_rank, mix.place.dp_size
         self.allocation = Allocation.start(mix.schedule, self.dp_size)
         self.progress = 0.0  # in the schedule's unit, over every replica
@@ -335,5 +335,9 @@ class MixtureStream:
         return {name: source.stream.columns()[""] for name, source in self.sources.items()}
 
     def close(self) -> None:
-        for source in self.sources.values():
-            source.stream.close()
+        try:
+            for source in self.sources.values():
+                source.stream.close()
+        finally:
+            if self.agreement is not None:
+                self.agreement.release()

@@ -169,7 +169,10 @@ class StreamingSource:
         from collective_loader.streaming.indexed import IndexedDataset
 
         kind = DownloadFailureRaisingDataset if self.packing is None else IndexedDataset
-        with leaders_world(self._env, self._leaders.group):
+        # the stream's, released when it closes (a failed construction keeps it, as other leaders
+        # may still be inside one of its collectives)
+        leaders = self._leaders.hold()
+        with leaders_world(self._env, leaders.group):
             if self._clean_stale:
                 if self.place.dp_rank % int(self._env["LOCAL_WORLD_SIZE"]) == 0:  # the node's first leader
                     remove_stale(min_age=STALE_AFTER)  # not another job's block of this very moment
@@ -182,7 +185,7 @@ class StreamingSource:
             collate_fn=self._collate,
             **self._dataloader_kwargs,
         )
-        data = LeaderDataset(dataset, loader, self.documents_per_batch * self.place.dp_size, self._leaders)
+        data = LeaderDataset(dataset, loader, self.documents_per_batch * self.place.dp_size, leaders)
         if self.packing is None:
             return SampleStream(data)
         world = (int(self._env["WORLD_SIZE"]), int(self._env["LOCAL_WORLD_SIZE"]))

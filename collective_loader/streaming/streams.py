@@ -49,7 +49,7 @@ class LeaderDataset:
         self.dataset: Any = dataset
         self.loader: DataLoader | None = loader
         self.global_batch = global_batch
-        self.leaders = leaders
+        self.leaders = leaders  # held for it (released at close)
         self._epoch_state: dict[str, Any] | None = None
         self._batches: Any = None  # the DataLoader iterator of the current (or last) epoch
 
@@ -115,7 +115,10 @@ class LeaderDataset:
         self.stop()
         stop_dataloader_workers(self.loader)
         dataset, self.dataset, self.loader = self.dataset, None, None
-        release_together(dataset, self.leaders)
+        try:
+            release_together(dataset, self.leaders)
+        finally:
+            self.leaders.release()
 
 
 def release_together(dataset: Any, leaders: LeaderGroup) -> None:
@@ -294,6 +297,7 @@ class BalancedStream(PackedStream):
     def __init__(self, data: LeaderDataset, rows: PackedRows, balanced: BalancedRows) -> None:
         super().__init__(data, rows)
         self.balanced = balanced
+        self._balance_group = balanced.leaders.hold()
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
         return self.balanced.batches(rows for rows, _ in self.row_lists())
@@ -306,3 +310,9 @@ class BalancedStream(PackedStream):
         out["cost_max_over_mean_packed"] = figures["cost_ratio_packed"] / steps if steps else 1.0
         out["cost_max_over_mean"] = figures["cost_ratio_placed"] / steps if steps else 1.0
         return out
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._balance_group.release()

@@ -309,6 +309,46 @@ def policy_run(data: dict[str, str], policy: str, steps: int) -> dict:
     return {"rows": rows, "stats": stats if leader else None}
 
 
+def closed_groups_run(data: dict[str, str]) -> dict:
+    """Two steps of a mixture whose leaders agree each step, then close: the groups its streams
+    used (the sources' shared one, the agreement's) are given back to torch, and the source
+    refuses a second loader."""
+    mesh, source = mixture(
+        data, ("short", "tiny"), MixtureSchedule.constant({"short": 0.5, "tiny": 0.5}), 2, tiny="repeat"
+    )
+    loader = CollectiveLoader(source, mesh, **KEYS)
+    list(islice(loader, 2))
+    used = []
+    if loader.is_leader:
+        stream = loader.source
+        used = [stream.agreement.group, *(s.stream.data.leaders.group for s in stream.sources.values())]
+    known_before = [bool(dist.get_process_group_ranks(g)) for g in used]
+    loader.close()
+    forgotten = []
+    for group in used:
+        try:
+            dist.get_process_group_ranks(group)
+            forgotten.append(False)
+        except KeyError:  # torch no longer knows it: destroyed
+            forgotten.append(True)
+    try:
+        CollectiveLoader(source, mesh, **KEYS)
+        again = None
+    except Exception as e:
+        again = f"{type(e).__name__}: {e}"
+    return {"leader": loader.is_leader, "before": known_before, "forgotten": forgotten, "again": again}
+
+
+def test_close_gives_back_the_groups_the_mixtures_streams_used_and_the_source_serves_one_loader(world, data):
+    runs = world.run(closed_groups_run, data, timeout=120)
+    leaders = [r for r in runs if r["leader"]]
+    assert len(leaders) == 2
+    for r in leaders:
+        assert r["before"] == [True, True, True] and r["forgotten"] == [True, True, True], r
+    for r in runs:
+        assert r["again"] is not None and "build a new source for a new loader" in r["again"], r
+
+
 def test_a_repeated_source_begins_a_new_shuffled_epoch_on_every_leader_at_the_same_step(world, data):
     results = world.run(policy_run, data, "repeat", 20, timeout=240)
     leaders = [r for r in results if r["stats"]]
