@@ -42,7 +42,7 @@ import warnings
 from multiprocessing import connection
 
 import streaming  # noqa: F401  (imported once, here, for every rank)
-import torch  # noqa: F401
+import torch
 import torch.distributed  # noqa: F401
 from processes import free_port, kill_tree
 
@@ -100,6 +100,11 @@ def start(rank: int, size: int, port: int, target: list[str], tee: bool) -> tupl
     pid = os.fork()
     if pid == 0:
         code = 1
+        # torch's thread pool, made in this parent (set_num_threads), is marked lost in a forked
+        # child and remade by the first call that asks for it; two threads asking at once (the
+        # autograd engine's and a loader's) could both see none: "Invalid thread pool!", abort
+        # (1 Trainer rank here). Remade now, before the rank starts a thread.
+        torch.set_num_threads(torch.get_num_threads())
         try:
             if write is not None:
                 os.close(read)
@@ -192,8 +197,8 @@ def _served_rank(
     # a fork-server child inherits the server's start method; a program that python or torchrun
     # starts has the platform's, fork (its DataLoader workers fork, pickling nothing)
     multiprocessing.set_start_method("fork", force=True)
-    if "OMP_NUM_THREADS" in env:
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    # torch's thread pool remade before any thread starts (see ``start``)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
     if port:
         os.environ.update(worker_environment(rank, size, port))
     code = run_as_main(target)
