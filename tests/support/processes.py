@@ -10,9 +10,10 @@ import socket
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import pytest
+if TYPE_CHECKING:  # ranks import this module for free_port: no pytest there
+    import pytest
 
 T = TypeVar("T")
 
