@@ -54,6 +54,11 @@ class DownloadFailureRaisingDataset(StreamingDataset):
 
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         self._raise_if_failed()  # do not wait for a shard whose download failed here
+        if not self.cache_limit and self._shard_states[shard_id] == _ShardState.LOCAL:
+            # streaming's download thread calls this for every sample; for a local shard it takes
+            # the node's cache file lock only to note the access time, which only eviction reads,
+            # and without a cache limit nothing is evicted (and a local shard stays local)
+            return
         if blocking:  # streaming's own wait (when another thread prepares it) would never end if that fails
             while self._shard_states[shard_id] == _ShardState.PREPARING:
                 time.sleep(TICK)
