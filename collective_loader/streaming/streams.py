@@ -297,7 +297,7 @@ class BalancedStream(PackedStream):
     def __init__(self, data: LeaderDataset, rows: PackedRows, balanced: BalancedRows) -> None:
         super().__init__(data, rows)
         self.balanced = balanced
-        self._balance_group = balanced.leaders.hold()
+        balanced.leaders.hold()  # released at close
 
     def __iter__(self) -> Iterator[Mapping[str, Any]]:
         return self.balanced.batches(rows for rows, _ in self.row_lists())
@@ -315,4 +315,4 @@ class BalancedStream(PackedStream):
         try:
             super().close()
         finally:
-            self._balance_group.release()
+            self.balanced.leaders.release()

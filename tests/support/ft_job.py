@@ -31,6 +31,7 @@ from processes import gone, kill_tree
 
 from collective_loader.plan.quorum import GlobalOrder
 from collective_loader.streaming.cleanup import remove_stale
+from collective_loader.streaming.source import STALE_AFTER
 from collective_loader.testing.data import numbered_documents, write_token_documents
 
 WORKER = Path(__file__).with_name("ft_group.py")
@@ -208,7 +209,7 @@ class FtJob:
         self.lighthouse.shutdown()
         # a killed group of packed rows left its StreamingDataset's shared memory, as any killed
         # streaming run does: remove what no live process maps
-        remove_stale(min_age=2.0)
+        remove_stale(min_age=STALE_AFTER)
 
 
 DOCUMENTS, STRIDE = 9000, 64  # documents of 0 to 40 tokens; token k of document i is i * STRIDE + k
